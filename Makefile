@@ -1,0 +1,25 @@
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+help: ## Show the targets.
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+demo: ## Set everything up and run the main job on the embedded local default.
+	@hack/demo.sh
+
+test: ## Provision the real components and run the whole test suite (what CI runs).
+	@hack/test.sh
+
+venv: ## Create .venv with the dev extras.
+	@hack/bootstrap.sh
+
+lint: venv ## ruff and mypy --strict.
+	@.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+
+unit: venv ## Only the unit tests (fast).
+	@.venv/bin/pytest -m unit
+
+crds: venv ## Regenerate crds/ from the pydantic models.
+	@.venv/bin/python -m kvfleet_operator.api.crdgen crds
+
+.PHONY: help demo test venv lint unit crds

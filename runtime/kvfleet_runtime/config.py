@@ -1,0 +1,220 @@
+"""The runtime configuration contract: the tenant table and the key file.
+
+The operator renders these two documents (a ConfigMap holding the tenant table, a Secret holding the
+API-key hashes and the salt key); the gateway, the engine plugin and the LMCache quota sync read them.
+This module is the only place their shape is defined. Field names are snake_case on the wire (the
+operator imports these models and serialises them with ``model_dump_json``).
+
+Security contract:
+  * API keys never appear here, only their SHA-256 hashes (keys are >= 256 bits of randomness, so a
+    fast hash is enough; a slow KDF would only add latency to every request).
+  * The cache salt a request carries into vLLM/LMCache is ``HMAC-SHA256(salt_key, salt_id)``; the
+    salt key lives in the Secret, so a salt cannot be predicted from the (non-secret) tenant table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TENANT_TABLE_FILENAME = "tenants.json"
+KEY_FILE_FILENAME = "keys.json"
+SCHEMA_VERSION = 1
+
+
+class SlaTier(StrEnum):
+    """Service tier a tenant bought. It sets scheduling priority and the eviction order on ties."""
+
+    PREMIUM = "premium"
+    STANDARD = "standard"
+    BASIC = "basic"
+
+
+#: vLLM's ``--scheduling-policy priority`` serves lower values first.
+TIER_PRIORITY: dict[SlaTier, int] = {SlaTier.PREMIUM: 0, SlaTier.STANDARD: 10, SlaTier.BASIC: 20}
+
+
+class Isolation(StrEnum):
+    """How a tenant's KV cache is separated from other tenants' (see docs/security.md)."""
+
+    SHARED = "shared"  # shares the pool salt: common prefixes are reused across shared tenants
+    SALTED = "salted"  # its own cache salt on the shared pool
+    DEDICATED = "dedicated"  # its own engine pods on its own GPU group
+
+
+class KVTier(StrEnum):
+    """Where a KV block lives."""
+
+    HBM = "hbm"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+KeyHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class TierTTLs(_Model):
+    """Idle time after which a tenant's cached KV on a tier becomes the first eviction candidate."""
+
+    hbm_seconds: PosFloat = 30.0
+    cpu_seconds: PosFloat = 600.0
+    nvme_seconds: PosFloat = 86_400.0
+
+    def for_tier(self, tier: KVTier) -> float:
+        return {KVTier.HBM: self.hbm_seconds, KVTier.CPU: self.cpu_seconds, KVTier.NVME: self.nvme_seconds}[
+            tier
+        ]
+
+
+class KVQuota(_Model):
+    """A tenant's resolved KV quota per tier, in the units each tier's host counts in.
+
+    ``hbm_blocks`` is the guarantee (what a premium tenant reserves); ``hbm_burst_blocks`` is the most it
+    may hold while others need room (the burst cap, default 50% of the pool).
+    """
+
+    hbm_blocks: NonNegInt
+    hbm_burst_blocks: NonNegInt
+    cpu_bytes: NonNegInt = 0
+    nvme_bytes: NonNegInt = 0
+
+    @model_validator(mode="after")
+    def _burst_covers_guarantee(self) -> Self:
+        if self.hbm_burst_blocks < self.hbm_blocks:
+            raise ValueError(
+                f"hbm_burst_blocks ({self.hbm_burst_blocks}) must be >= hbm_blocks ({self.hbm_blocks})"
+            )
+        return self
+
+    def for_tier(self, tier: KVTier) -> int:
+        return {KVTier.HBM: self.hbm_blocks, KVTier.CPU: self.cpu_bytes, KVTier.NVME: self.nvme_bytes}[tier]
+
+
+class RateLimits(_Model):
+    """Admission limits at the gateway; ``None`` means unlimited."""
+
+    requests_per_minute: Annotated[int, Field(gt=0)] | None = None
+    tokens_per_minute: Annotated[int, Field(gt=0)] | None = None
+    max_concurrent: Annotated[int, Field(gt=0)] | None = None
+
+
+class TenantEntry(_Model):
+    """One tenant as the data plane sees it."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    tier: SlaTier
+    priority: int
+    isolation: Isolation
+    #: Input to the salt HMAC. Salted and dedicated tenants have their own; shared tenants use the pool's.
+    salt_id: Annotated[str, Field(min_length=1)]
+    #: The pool (key of ``TenantTable.pools``) that serves this tenant.
+    pool: Annotated[str, Field(min_length=1)]
+    #: Served model names this tenant may call.
+    models: Annotated[list[str], Field(min_length=1)]
+    quota: KVQuota
+    ttl: TierTTLs = TierTTLs()
+    rate_limits: RateLimits = RateLimits()
+
+
+class PoolEntry(_Model):
+    """A set of interchangeable engine replicas."""
+
+    name: Annotated[str, Field(min_length=1)]
+    #: Base URLs of the engine replicas (``http://host:port``); the gateway health-checks each.
+    endpoints: list[str] = []
+    #: Base URLs of each replica's LMCache HTTP API, same order as ``endpoints``.
+    lmcache_endpoints: list[str] = []
+    block_size: Annotated[int, Field(gt=0)]
+    hbm_blocks_per_replica: NonNegInt
+    cpu_bytes_per_replica: NonNegInt = 0
+    nvme_bytes_per_replica: NonNegInt = 0
+    #: Fraction of the pool any one tenant may hold while others need room.
+    burst_cap: Annotated[float, Field(gt=0, le=1)] = 0.5
+    dedicated_to: str | None = None
+
+
+class TenantTable(_Model):
+    """Everything the data plane of one ModelDeployment needs except secrets."""
+
+    schema_version: int = SCHEMA_VERSION
+    model_deployment: Annotated[str, Field(min_length=1)]
+    served_model_name: Annotated[str, Field(min_length=1)]
+    #: Salt id of the shared pool (input to the salt HMAC for `shared` tenants).
+    pool_salt_id: Annotated[str, Field(min_length=1)]
+    pools: dict[str, PoolEntry]
+    tenants: dict[str, TenantEntry]
+
+    @model_validator(mode="after")
+    def _references_resolve(self) -> Self:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is not supported (want {SCHEMA_VERSION})")
+        for key, tenant in self.tenants.items():
+            if key != tenant.name:
+                raise ValueError(f"tenants[{key!r}].name is {tenant.name!r}; the key must equal the name")
+            if tenant.pool not in self.pools:
+                raise ValueError(
+                    f"tenants[{key!r}].pool {tenant.pool!r} is not one of the pools {sorted(self.pools)}"
+                )
+            if tenant.isolation is Isolation.SHARED and tenant.salt_id != self.pool_salt_id:
+                raise ValueError(f"tenants[{key!r}] is shared, so its salt_id must be the pool_salt_id")
+        return self
+
+    @classmethod
+    def load(cls, path: Path) -> TenantTable:
+        """Read and validate a tenant table file; raises ``ValueError`` with the reason on bad input."""
+        return cls.model_validate_json(path.read_bytes())
+
+
+class KeyFile(_Model):
+    """The secret half of the runtime configuration."""
+
+    schema_version: int = SCHEMA_VERSION
+    #: Hex-encoded key for the salt HMAC (32 bytes or more).
+    salt_key_hex: Annotated[str, Field(min_length=64, pattern=r"^[0-9a-f]+$")]
+    #: Tenant name -> SHA-256 hex digests of its valid API keys (two during a rotation).
+    key_hashes: dict[
+        str, Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]], Field(max_length=2)]
+    ]
+
+    @property
+    def salt_key(self) -> bytes:
+        return bytes.fromhex(self.salt_key_hex)
+
+    @classmethod
+    def load(cls, path: Path) -> KeyFile:
+        return cls.model_validate_json(path.read_bytes())
+
+
+def hash_api_key(key: str) -> str:
+    """The only form in which an API key is stored or compared."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def derive_cache_salt(salt_key: bytes, salt_id: str) -> str:
+    """The ``cache_salt`` for a salt id. Deterministic, so every gateway replica and engine agrees."""
+    return hmac.new(salt_key, salt_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def salt_to_tenants(table: TenantTable, keys: KeyFile) -> dict[str, list[str]]:
+    """Map each cache salt in use to the tenants that send it (several for the shared pool salt)."""
+    out: dict[str, list[str]] = {}
+    for tenant in table.tenants.values():
+        out.setdefault(derive_cache_salt(keys.salt_key, tenant.salt_id), []).append(tenant.name)
+    return out
+
+
+def dump_json(model: BaseModel) -> str:
+    """Canonical JSON (sorted keys) so rendered ConfigMaps are byte-stable across reconciles."""
+    return json.dumps(model.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
