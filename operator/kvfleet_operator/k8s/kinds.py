@@ -1,0 +1,69 @@
+"""The kinds the operator reads or writes, and their REST paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "kvfleet.io"
+VERSION = "v1alpha1"
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+    namespaced: bool = True
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    def path(self, namespace: str | None = None, name: str | None = None) -> str:
+        prefix = f"/apis/{self.api_version}" if "/" in self.api_version else f"/api/{self.api_version}"
+        if self.namespaced and namespace:
+            prefix += f"/namespaces/{namespace}"
+        prefix += f"/{self.plural}"
+        return f"{prefix}/{name}" if name else prefix
+
+
+MODEL_DEPLOYMENT = Kind(f"{GROUP}/{VERSION}", "ModelDeployment", "modeldeployments")
+TENANT = Kind(f"{GROUP}/{VERSION}", "Tenant", "tenants")
+
+CONFIG_MAP = Kind("v1", "ConfigMap", "configmaps")
+SECRET = Kind("v1", "Secret", "secrets")
+SERVICE = Kind("v1", "Service", "services")
+SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
+POD = Kind("v1", "Pod", "pods")
+EVENT = Kind("v1", "Event", "events")
+NODE = Kind("v1", "Node", "nodes", namespaced=False)
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+STATEFUL_SET = Kind("apps/v1", "StatefulSet", "statefulsets")
+PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
+SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
+
+#: Every child kind the operator owns, in the order they are applied (config before workloads, so a
+#: pod never starts against a missing ConfigMap) and deleted in reverse.
+CHILD_KINDS: tuple[Kind, ...] = (
+    CONFIG_MAP,
+    SECRET,
+    SERVICE_ACCOUNT,
+    SERVICE,
+    NETWORK_POLICY,
+    PDB,
+    DEPLOYMENT,
+    STATEFUL_SET,
+    SERVICE_MONITOR,
+    POD_MONITOR,
+)
+
+BY_API_KIND: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in CHILD_KINDS}
+
+
+def kind_of(obj: dict[str, object]) -> Kind:
+    key = (str(obj["apiVersion"]), str(obj["kind"]))
+    if key not in BY_API_KIND:
+        raise KeyError(f"kvfleet does not manage {key[1]} ({key[0]})")
+    return BY_API_KIND[key]
