@@ -19,7 +19,7 @@ import hmac
 import json
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -128,6 +128,46 @@ class TenantEntry(_Model):
     rate_limits: RateLimits = RateLimits()
 
 
+class LMCacheSettings(_Model):
+    """The LMCache server that runs next to each engine replica (server mode, see docs/operations.md)."""
+
+    cpu_bytes: Annotated[int, Field(gt=0)]
+    nvme_bytes: NonNegInt = 0
+    #: Directory of the NVMe (L2) tier inside the pod; ``None`` disables the tier.
+    nvme_path: str | None = None
+    chunk_size: Annotated[int, Field(gt=0)] = 256
+    eviction_policy: str = "IsolatedLRU"
+    #: ZMQ port vLLM's LMCacheMPConnector talks to, and the HTTP port of the quota/clear API.
+    port: Annotated[int, Field(gt=0, lt=65536)] = 6555
+    http_port: Annotated[int, Field(gt=0, lt=65536)] = 6556
+
+
+class EngineSettings(_Model):
+    """How the launcher starts vLLM for a pool. The operator renders it from the ModelDeployment."""
+
+    #: What vLLM loads: a local path (PVC mount) or a Hugging Face id.
+    model: Annotated[str, Field(min_length=1)]
+    revision: str | None = None
+    tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
+    pipeline_parallel_size: Annotated[int, Field(ge=1)] = 1
+    data_parallel_size: Annotated[int, Field(ge=1)] = 1
+    enable_expert_parallel: bool = False
+    max_model_len: Annotated[int, Field(gt=0)] | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    kv_cache_dtype: Literal["auto", "fp8_e5m2", "fp8_e4m3"] = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: Annotated[int, Field(gt=0)] | None = None
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    #: Test and CPU-demo knob: a fixed number of KV blocks instead of sizing from memory.
+    num_gpu_blocks_override: Annotated[int, Field(gt=0)] | None = None
+    extra_args: list[str] = []
+    port: Annotated[int, Field(gt=0, lt=65536)] = 8000
+    #: Where the engine plugin serves its per-tenant KV metrics.
+    plugin_metrics_port: Annotated[int, Field(gt=0, lt=65536)] = 8001
+    lmcache: LMCacheSettings | None = None
+
+
 class PoolEntry(_Model):
     """A set of interchangeable engine replicas."""
 
@@ -143,6 +183,8 @@ class PoolEntry(_Model):
     #: Fraction of the pool any one tenant may hold while others need room.
     burst_cap: Annotated[float, Field(gt=0, le=1)] = 0.5
     dedicated_to: str | None = None
+    #: How replicas of this pool start vLLM (absent when engines are managed outside kvfleet).
+    engine: EngineSettings | None = None
 
 
 class TenantTable(_Model):
