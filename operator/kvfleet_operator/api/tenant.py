@@ -1,0 +1,219 @@
+"""``Tenant`` (kvfleet.io/v1alpha1, short name ``tn``): who may use a ModelDeployment, and on what terms.
+
+Isolation is immutable once set (a transition rule): moving a tenant between a shared pool and its own
+GPU group would leave KV behind in the old place, so the tenant must be deleted and recreated instead.
+:func:`check_tenant_transition` is the pydantic-side mirror of that rule.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import Field, model_validator
+
+from kvfleet_operator.api.common import (
+    API_VERSION,
+    CelRule,
+    Conditions,
+    CrdModel,
+    LabelName,
+    LocalObjectReference,
+    ObjectName,
+    cel_rules_schema,
+)
+from kvfleet_operator.api.units import HbmAmount, PositiveDuration, Quantity, Share, parse_percent
+from kvfleet_runtime.config import Isolation, SlaTier
+
+KIND_TENANT = "Tenant"
+
+
+class TenantKvQuota(CrdModel):
+    """KV quota per tier. HBM is a guarantee (premium: a reservation); CPU and NVMe are byte caps."""
+
+    hbm: HbmAmount = Field(
+        default="0%",
+        description="GPU-memory KV this tenant is guaranteed: a share of the pool (e.g. 20%) or a number "
+        "of tokens (e.g. 500000).",
+    )
+    cpu: Quantity = Field(default="0", description="LMCache CPU-tier bytes this tenant may hold, e.g. 16Gi.")
+    nvme: Quantity = Field(default="0", description="LMCache NVMe-tier bytes this tenant may hold, e.g. 200Gi.")
+
+
+class TenantTtls(CrdModel):
+    """Per-tier TTLs; an empty field takes the ModelDeployment's default (spec.kvCache.ttl)."""
+
+    hbm: PositiveDuration | None = Field(default=None, description="GPU memory TTL, e.g. 30s.")
+    cpu: PositiveDuration | None = Field(default=None, description="CPU tier TTL, e.g. 10m.")
+    nvme: PositiveDuration | None = Field(default=None, description="NVMe tier TTL, e.g. 24h.")
+
+
+class TenantRateLimits(CrdModel):
+    """Admission limits at the gateway; empty means unlimited."""
+
+    requests_per_minute: Annotated[
+        int | None, Field(ge=1, le=10_000_000, description="Requests per minute, e.g. 600.")
+    ] = None
+    tokens_per_minute: Annotated[
+        int | None, Field(ge=1, le=10_000_000_000, description="Prompt + completion tokens per minute.")
+    ] = None
+    max_concurrent: Annotated[
+        int | None, Field(ge=1, le=100_000, description="Requests in flight at once.")
+    ] = None
+
+
+class ApiKeySecretRef(CrdModel):
+    """The Secret holding the tenant's API key."""
+
+    name: ObjectName = Field(description="Secret in this namespace; created with a random key if absent.")
+    key: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            pattern=r"^[-._a-zA-Z0-9]+$",
+            description="Key inside the Secret's data that holds the API key.",
+        ),
+    ] = "api-key"
+
+
+class DedicatedSettings(CrdModel):
+    """Where a dedicated tenant's own engine pods run."""
+
+    gpu_group: LabelName = Field(
+        description="GPU node group: nodes labelled kvfleet.io/gpu-group=<this> and tainted for it, "
+        "e.g. bank-h200."
+    )
+    replicas: Annotated[
+        int, Field(ge=1, le=1024, description="Engine replicas of the dedicated pool (at least 1).")
+    ] = 1
+
+
+RULE_ISOLATION_IMMUTABLE = CelRule(
+    rule="self == oldSelf",
+    message="spec.isolation is immutable: delete and recreate the Tenant to change its isolation",
+    transition=True,
+)
+RULE_DEDICATED_REQUIRED = CelRule(
+    rule="self.isolation != 'dedicated' || has(self.dedicated)",
+    message="spec.dedicated (gpuGroup, replicas) is required when spec.isolation is dedicated",
+    field_path=".dedicated",
+)
+RULE_DEDICATED_FORBIDDEN = CelRule(
+    rule="self.isolation == 'dedicated' || !has(self.dedicated)",
+    message="spec.dedicated is only for isolation: dedicated; remove it or change spec.isolation",
+    field_path=".dedicated",
+)
+RULE_BURST_COVERS_QUOTA = CelRule(
+    rule="!has(self.kvQuota) || !has(self.kvQuota.hbm) || type(self.kvQuota.hbm) != string || "
+    "double(self.burstLimit.replace('%', '')) >= double(self.kvQuota.hbm.replace('%', ''))",
+    message="spec.burstLimit must be at least spec.kvQuota.hbm: raise burstLimit or lower the quota",
+    field_path=".burstLimit",
+)
+
+
+class TenantSpec(CrdModel):
+    """Desired state of a Tenant."""
+
+    model_config = {
+        "json_schema_extra": cel_rules_schema(
+            RULE_DEDICATED_REQUIRED, RULE_DEDICATED_FORBIDDEN, RULE_BURST_COVERS_QUOTA
+        )
+    }
+
+    model_deployment_ref: LocalObjectReference = Field(
+        description="The ModelDeployment (same namespace) this tenant uses."
+    )
+    tier: SlaTier = Field(
+        default=SlaTier.STANDARD,
+        description="Service tier: premium, standard or basic. Sets request priority and eviction order.",
+    )
+    isolation: Isolation = Field(
+        default=Isolation.SALTED,
+        description="shared (reuses common prefixes with other shared tenants), salted (own cache salt on "
+        "the shared pool; the default) or dedicated (own engine pods on own GPUs). Immutable.",
+        json_schema_extra=cel_rules_schema(RULE_ISOLATION_IMMUTABLE),
+    )
+    kv_quota: TenantKvQuota = Field(
+        default_factory=TenantKvQuota,
+        description="KV quota per tier.",
+        json_schema_extra={"default": {}},
+    )
+    burst_limit: Share = Field(
+        default="50%",
+        description="Most of the pool's GPU-memory KV this tenant may hold while others need room, e.g. 50%.",
+    )
+    ttl: TenantTtls = Field(
+        default_factory=TenantTtls,
+        description="Per-tier TTLs; empty fields take the ModelDeployment's defaults.",
+        json_schema_extra={"default": {}},
+    )
+    rate_limits: TenantRateLimits = Field(
+        default_factory=TenantRateLimits,
+        description="Gateway admission limits.",
+        json_schema_extra={"default": {}},
+    )
+    api_key_secret_ref: ApiKeySecretRef | None = Field(
+        default=None,
+        description="Secret with the tenant's API key; empty: the operator creates <tenant>-api-key.",
+    )
+    dedicated: DedicatedSettings | None = Field(
+        default=None, description="Required when isolation is dedicated, forbidden otherwise."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.isolation == Isolation.DEDICATED and self.dedicated is None:
+            raise ValueError(RULE_DEDICATED_REQUIRED.message)
+        if self.isolation != Isolation.DEDICATED and self.dedicated is not None:
+            raise ValueError(RULE_DEDICATED_FORBIDDEN.message)
+        hbm = self.kv_quota.hbm
+        if isinstance(hbm, str) and parse_percent(self.burst_limit) < parse_percent(hbm):
+            raise ValueError(RULE_BURST_COVERS_QUOTA.message)
+        return self
+
+
+class ResolvedQuota(CrdModel):
+    """The tenant's quota in the units the data plane counts in."""
+
+    hbm_blocks: Annotated[int, Field(ge=0, description="Guaranteed GPU-memory KV blocks.")] = 0
+    hbm_tokens: Annotated[int, Field(ge=0, description="Guaranteed GPU-memory KV tokens.")] = 0
+    hbm_bytes: Annotated[int, Field(ge=0, description="Guaranteed GPU-memory KV bytes.")] = 0
+    hbm_burst_blocks: Annotated[int, Field(ge=0, description="Most GPU-memory KV blocks under burst.")] = 0
+    cpu_bytes: Annotated[int, Field(ge=0, description="CPU-tier bytes.")] = 0
+    nvme_bytes: Annotated[int, Field(ge=0, description="NVMe-tier bytes.")] = 0
+
+
+class TenantStatus(CrdModel):
+    """Observed state of a Tenant, written by the operator."""
+
+    conditions: Conditions = []
+    observed_generation: Annotated[
+        int, Field(ge=0, description="The metadata.generation the operator last acted on.")
+    ] = 0
+    resolved_quota: ResolvedQuota = Field(
+        default_factory=ResolvedQuota, description="Quota in blocks, tokens and bytes."
+    )
+    endpoint: Annotated[
+        str, Field(max_length=512, description="OpenAI-compatible base URL to call with the API key.")
+    ] = ""
+    api_key_secret_name: Annotated[
+        str, Field(max_length=253, description="Secret that holds this tenant's API key.")
+    ] = ""
+
+
+class Tenant(CrdModel):
+    """A tenant of a ModelDeployment: tier, isolation, KV quotas and TTLs, rate limits, API key."""
+
+    api_version: Literal["kvfleet.io/v1alpha1"] = Field(
+        default=API_VERSION, alias="apiVersion", description="kvfleet.io/v1alpha1"
+    )
+    kind: Literal["Tenant"] = Field(default=KIND_TENANT, description="Tenant")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: TenantSpec = Field(description="Desired state.")
+    status: TenantStatus | None = Field(default=None, description="Observed state.")
+
+
+def check_tenant_transition(old: Tenant, new: Tenant) -> None:
+    """Raise ``ValueError`` (naming spec.isolation) when an update changes the isolation level."""
+    if old.spec.isolation != new.spec.isolation:
+        raise ValueError(RULE_ISOLATION_IMMUTABLE.message)
