@@ -1,0 +1,86 @@
+"""``kvfleet gateway``: run the tenant-aware OpenAI-compatible gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from kvfleet_runtime.gateway.server import GatewaySettings, serve
+from kvfleet_runtime.gateway.state import describe_error, load_snapshot
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--listen wants host:port, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - a server in a pod listens on all
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "gateway",
+        help="Run the tenant-aware OpenAI-compatible gateway.",
+        description="Authenticate tenants, apply their limits, salt and prioritise their requests, and "
+        "route them to vLLM replicas with prefix affinity. Reloads the tenant table and key file when "
+        "they change.",
+    )
+    p.add_argument("--config", type=Path, required=True, help="tenant table (tenants.json)")
+    p.add_argument("--keys", type=Path, required=True, help="key file (keys.json: key hashes, salt key)")
+    p.add_argument("--listen", type=parse_listen, default=("0.0.0.0", 8080), help="host:port (0.0.0.0:8080)")  # noqa: S104
+    p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between config polls")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a body (else 408)")
+    p.add_argument("--max-queue", type=int, default=64, help="per-tenant admission queue length")
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait queued")
+    p.add_argument("--affinity-prefix-chars", type=int, default=512, help="prompt chars in the affinity key")
+    p.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor (> 1)")
+    p.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens assumed for the KV/tokens estimate"
+    )
+    p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a replica")
+    p.add_argument("--log-level", default="INFO", help="Python logging level")
+    p.set_defaults(func=run)
+
+
+def _run_loop(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop  # noqa: PLC0415 - optional speed-up; plain asyncio works the same
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = GatewaySettings(
+        config_path=args.config,
+        keys_path=args.keys,
+        reload_interval_s=args.reload_interval,
+        health_interval_s=args.health_interval,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        max_queue=args.max_queue,
+        max_queue_wait_s=args.queue_timeout,
+        affinity_prefix_chars=args.affinity_prefix_chars,
+        load_factor=args.load_factor,
+        default_max_tokens=args.default_max_tokens,
+        connect_timeout_s=args.connect_timeout,
+    )
+    host, port = args.listen
+    try:
+        load_snapshot(settings.config_path, settings.keys_path)
+    except (OSError, ValueError) as exc:
+        logging.getLogger("kvfleet.gateway").error("cannot start: %s", describe_error(exc))
+        return 2
+    try:
+        _run_loop(serve(settings, host, port))
+    except KeyboardInterrupt:
+        return 0
+    return 0

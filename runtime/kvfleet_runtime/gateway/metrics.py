@@ -1,0 +1,172 @@
+"""The gateway's Prometheus metrics: names (shared with dashboards and tests) and their collectors.
+
+Every name is a module constant so dashboards, alert rules and tests import it instead of repeating the
+string. Labels are bounded by construction: ``tenant`` and ``model`` only ever take values from the loaded
+tenant table (unauthenticated requests use ``UNAUTHENTICATED``, unknown models ``UNKNOWN_MODEL``),
+``tier``, ``outcome``, ``reason`` and ``kind`` come from fixed enumerations below, and ``pool``/``replica``
+from the table's pools. No prompt, completion, key or client-chosen string ever becomes a label value.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Names ---------------------------------------------------------------------------------------------------
+REQUESTS_TOTAL: Final = "kvfleet_gateway_requests_total"
+PROMPT_TOKENS_TOTAL: Final = "kvfleet_gateway_prompt_tokens_total"
+COMPLETION_TOKENS_TOTAL: Final = "kvfleet_gateway_completion_tokens_total"
+CACHED_PROMPT_TOKENS_TOTAL: Final = "kvfleet_gateway_cached_prompt_tokens_total"
+TTFT_SECONDS: Final = "kvfleet_gateway_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS: Final = "kvfleet_gateway_inter_token_latency_seconds"  # noqa: S105 - a name
+REQUEST_DURATION_SECONDS: Final = "kvfleet_gateway_request_duration_seconds"
+QUEUE_TIME_SECONDS: Final = "kvfleet_gateway_queue_time_seconds"
+THROTTLED_TOTAL: Final = "kvfleet_gateway_throttled_total"
+REJECTED_TOTAL: Final = "kvfleet_gateway_rejected_total"
+UPSTREAM_ERRORS_TOTAL: Final = "kvfleet_gateway_upstream_errors_total"
+IN_FLIGHT_REQUESTS: Final = "kvfleet_gateway_in_flight_requests"
+KV_IN_FLIGHT_TOKENS: Final = "kvfleet_gateway_kv_in_flight_tokens"
+CONFIG_RELOADS_TOTAL: Final = "kvfleet_gateway_config_reloads_total"
+CONFIG_RELOAD_FAILURES_TOTAL: Final = "kvfleet_gateway_config_reload_failures_total"
+REPLICA_HEALTHY: Final = "kvfleet_gateway_replica_healthy"
+
+# Label values ---------------------------------------------------------------------------------------------
+UNAUTHENTICATED: Final = "_unauthenticated"
+UNKNOWN_MODEL: Final = "_unknown"
+NO_TIER: Final = "_none"
+
+#: ``outcome`` of ``kvfleet_gateway_requests_total``.
+OUTCOMES: Final = (
+    "ok",  # upstream answered 2xx and the whole answer reached the client
+    "client_error",  # rejected by the gateway or the engine with a 4xx (bad input, auth, model)
+    "throttled",  # 429 from admission (rate, concurrency or KV budget)
+    "upstream_error",  # engine 5xx, connection lost mid-answer, or all replicas refused the connection
+    "unavailable",  # no healthy replica in the tenant's pool (503)
+    "cancelled",  # the client went away; the upstream request was cancelled
+)
+#: ``reason`` of ``kvfleet_gateway_throttled_total``.
+THROTTLE_REASONS: Final = ("requests_per_minute", "tokens_per_minute", "concurrency", "kv_budget")
+#: ``reason`` of ``kvfleet_gateway_rejected_total``.
+REJECT_REASONS: Final = (
+    "unauthenticated",
+    "model_not_allowed",
+    "bad_request",
+    "body_too_large",
+    "body_timeout",
+    "no_healthy_replica",
+)
+#: ``kind`` of ``kvfleet_gateway_upstream_errors_total``.
+UPSTREAM_ERROR_KINDS: Final = ("connect", "status_5xx", "disconnect", "timeout")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class GatewayMetrics:
+    """All gateway collectors, registered on one registry (one per gateway app, so tests stay isolated)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        req = ("tenant", "model", "tier")
+        self.requests = Counter(
+            REQUESTS_TOTAL.removesuffix("_total"),
+            "Requests the gateway finished, by outcome.",
+            (*req, "outcome"),
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            PROMPT_TOKENS_TOTAL.removesuffix("_total"),
+            "Prompt tokens reported by the engine (usage.prompt_tokens).",
+            req,
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            COMPLETION_TOKENS_TOTAL.removesuffix("_total"),
+            "Completion tokens reported by the engine (usage.completion_tokens).",
+            req,
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            CACHED_PROMPT_TOKENS_TOTAL.removesuffix("_total"),
+            "Prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens).",
+            req,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            TTFT_SECONDS,
+            "Time from request arrival at the gateway to the first streamed token (streaming requests).",
+            req,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            INTER_TOKEN_LATENCY_SECONDS,
+            "Time between consecutive streamed chunks after the first.",
+            req,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            REQUEST_DURATION_SECONDS,
+            "Time from request arrival to the last byte of the answer.",
+            req,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            QUEUE_TIME_SECONDS,
+            "Time a request waited in its tenant's admission queue (0 when admitted at once).",
+            ("tenant", "tier"),
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.throttled = Counter(
+            THROTTLED_TOTAL.removesuffix("_total"),
+            "Requests answered 429 by admission control.",
+            ("tenant", "tier", "reason"),
+            registry=r,
+        )
+        self.rejected = Counter(
+            REJECTED_TOTAL.removesuffix("_total"),
+            "Requests the gateway refused before admission (auth, model, bad input, no replica).",
+            ("tenant", "reason"),
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            UPSTREAM_ERRORS_TOTAL.removesuffix("_total"),
+            "Failures talking to an engine replica.",
+            ("pool", "kind"),
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            IN_FLIGHT_REQUESTS,
+            "Requests admitted and not yet finished.",
+            ("tenant", "tier"),
+            registry=r,
+        )
+        self.kv_in_flight = Gauge(
+            KV_IN_FLIGHT_TOKENS,
+            "Estimated KV footprint (prompt + max_tokens) of the tenant's admitted requests.",
+            ("tenant",),
+            registry=r,
+        )
+        self.reloads = Counter(
+            CONFIG_RELOADS_TOTAL.removesuffix("_total"),
+            "Tenant table / key file reloads that took effect.",
+            registry=r,
+        )
+        self.reload_failures = Counter(
+            CONFIG_RELOAD_FAILURES_TOTAL.removesuffix("_total"),
+            "Reloads rejected because a file was unreadable or invalid (the last good config stays).",
+            ("file",),
+            registry=r,
+        )
+        self.replica_healthy = Gauge(
+            REPLICA_HEALTHY,
+            "1 when the replica's last health check passed.",
+            ("pool", "replica"),
+            registry=r,
+        )

@@ -1,0 +1,262 @@
+"""Pure request handling: validation, the token estimate, and the rewrite that carries the tenant.
+
+What the gateway changes in a client's request before it reaches vLLM (vLLM 0.32 OpenAI server):
+
+Body fields removed (client values could break isolation, jump the queue, or pick a replica/KV source):
+  ``cache_salt``, ``priority``, ``request_id``, ``session_id``, ``vllm_xargs``, ``kv_transfer_params``,
+  ``ec_transfer_params``, ``data_parallel_rank``.
+Headers: only ``Content-Type`` and ``Accept`` are forwarded, so client ``X-Vllm-Priority`` (overrides the
+  body priority in vLLM), ``X-Request-Id``, ``X-Session-ID``, ``X-data-parallel-rank`` and
+  ``Authorization`` never reach the engine.
+Body fields set:
+  ``cache_salt``  HMAC-SHA256(salt key, tenant.salt_id)[:32] (shared tenants: the pool salt id);
+  ``priority``    the tenant's ``priority`` from the table (vLLM serves lower values first);
+  ``vllm_xargs``  ``{"kvfleet_tenant": <tenant>}``: vLLM copies it into ``SamplingParams.extra_args``,
+                  which the engine core's ``Request`` carries, so a plugin can read the tenant directly;
+  ``stream_options.include_usage`` true on streams, so usage can be reconciled (the usage-only chunk is
+                  removed again when the client did not ask for it).
+Headers set:
+  ``X-Request-Id: kvf_<tenant>_<32 hex>``: vLLM uses it as the request id base, so the engine request id
+                  is ``chatcmpl-kvf_<tenant>_<hex>-<8 random>`` (``cmpl-`` for completions);
+                  ``parse_tenant_from_request_id`` recovers the tenant (``_`` never occurs in a
+                  Kubernetes name, so the separators are unambiguous);
+  ``X-Kvfleet-Tenant: <tenant>``: for proxies and logs in between (vLLM ignores it).
+The salt -> tenant map (``config.salt_to_tenants``) stays the primary attribution; the tags above let a
+plugin tell apart ``shared`` tenants, which share one salt.
+
+Token estimate (before the engine answers): ceil(characters / 4) over every string in ``messages``
+(chat) or ``prompt`` (completions), one token per element of a token-id prompt, plus a small per-message
+overhead for the chat template. It is reconciled with ``usage`` afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+STRIPPED_BODY_FIELDS: Final = (
+    "cache_salt",
+    "priority",
+    "request_id",
+    "session_id",
+    "vllm_xargs",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "data_parallel_rank",
+)
+FORWARDED_HEADERS: Final = ("Content-Type", "Accept")
+TENANT_HEADER: Final = "X-Kvfleet-Tenant"
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+TENANT_XARG: Final = "kvfleet_tenant"
+REQUEST_ID_PREFIX: Final = "kvf_"
+#: Chat templates add a few tokens per message (role markers); counted so the estimate is not low.
+CHAT_MESSAGE_OVERHEAD_TOKENS: Final = 4
+CHARS_PER_TOKEN: Final = 4
+
+_REQUEST_ID_RE = re.compile(r"(?:^|-)kvf_([a-z0-9][a-z0-9.-]*)_[0-9a-f]{32}(?:-|$)")
+
+
+class Endpoint(StrEnum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+class BadRequest(ValueError):
+    """The body is not a request the gateway can forward; the message is safe to show the client."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What the gateway needs to know about a validated request."""
+
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    client_wants_usage: bool
+    prompt_tokens_estimate: int
+    max_tokens: int | None
+    affinity_text: str
+
+
+def _string_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_string_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_string_chars(v) for v in value.values())
+    return 0
+
+
+def _text_prefix(value: Any, limit: int, out: list[str]) -> int:
+    """Append strings from ``value`` in order until ``limit`` characters are collected."""
+    if limit <= 0:
+        return 0
+    if isinstance(value, str):
+        out.append(value[:limit])
+        return limit - min(limit, len(value))
+    if isinstance(value, list):
+        for v in value:
+            limit = _text_prefix(v, limit, out)
+        return limit
+    if isinstance(value, dict):
+        for k in ("role", "content", "text", "type"):
+            if k in value:
+                limit = _text_prefix(value[k], limit, out)
+        return limit
+    if isinstance(value, int):
+        out.append(f"{value},")
+        return limit - 1
+    return limit
+
+
+def compute_affinity_text(body: dict[str, Any], endpoint: Endpoint, limit: int) -> str:
+    out: list[str] = []
+    _text_prefix(body.get("messages") if endpoint is Endpoint.CHAT else body.get("prompt"), limit, out)
+    return "".join(out)[:limit]
+
+
+def compute_prompt_estimate(body: dict[str, Any], endpoint: Endpoint) -> int:
+    """Estimated prompt tokens (see the module docstring)."""
+    if endpoint is Endpoint.CHAT:
+        messages = body["messages"]
+        return math.ceil(_string_chars(messages) / CHARS_PER_TOKEN) + CHAT_MESSAGE_OVERHEAD_TOKENS * len(
+            messages
+        )
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return sum(len(p) for p in prompt)
+    return math.ceil(_string_chars(prompt) / CHARS_PER_TOKEN)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedRequest:
+    """Validate the fields the gateway relies on; raise ``BadRequest`` with a client-safe message.
+
+    Only the shape the gateway itself needs is checked here; everything else is vLLM's to validate
+    (and it answers 400 for what it rejects).
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise BadRequest("'model' is required", "model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", "model")
+    if endpoint is Endpoint.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("each entry of 'messages' must be an object", "messages")
+    else:
+        prompt = body.get("prompt")
+        ok = isinstance(prompt, str) or (
+            isinstance(prompt, list)
+            and bool(prompt)
+            and (
+                all(isinstance(p, str) for p in prompt)
+                or all(_is_int(p) for p in prompt)
+                or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
+            )
+        )
+        if not ok:
+            raise BadRequest(
+                "'prompt' must be a string, an array of strings, or an array of token ids", "prompt"
+            )
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    max_tokens: int | None = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise BadRequest(f"'{name}' must be a positive integer", name)
+        max_tokens = value if max_tokens is None else min(max_tokens, value)
+    n = body.get("n", 1)
+    if n is not None and (not _is_int(n) or n < 1 or n > 128):
+        raise BadRequest("'n' must be an integer between 1 and 128", "n")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    wants_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+    return ParsedRequest(
+        body=body,
+        model=model,
+        stream=stream,
+        client_wants_usage=wants_usage,
+        prompt_tokens_estimate=compute_prompt_estimate(body, endpoint),
+        max_tokens=max_tokens,
+        affinity_text=compute_affinity_text(body, endpoint, affinity_chars),
+    )
+
+
+def build_request_id(tenant: str) -> str:
+    """The ``X-Request-Id`` that tags a request with its tenant (see the module docstring)."""
+    return f"{REQUEST_ID_PREFIX}{tenant}_{uuid.uuid4().hex}"
+
+
+def parse_tenant_from_request_id(request_id: str) -> str | None:
+    """The tenant in an engine request id built from ``build_request_id`` (``None`` if untagged)."""
+    match = _REQUEST_ID_RE.search(request_id)
+    return match.group(1) if match else None
+
+
+def build_upstream_body(
+    parsed: ParsedRequest, *, tenant: str, cache_salt: str, priority: int
+) -> dict[str, Any]:
+    """The body sent to vLLM: client fields minus ``STRIPPED_BODY_FIELDS``, plus the tenant's own."""
+    body = {k: v for k, v in parsed.body.items() if k not in STRIPPED_BODY_FIELDS}
+    body["cache_salt"] = cache_salt
+    body["priority"] = priority
+    body["vllm_xargs"] = {TENANT_XARG: tenant}
+    if parsed.stream:
+        options = dict(body.get("stream_options") or {})
+        options["include_usage"] = True
+        body["stream_options"] = options
+    return body
+
+
+def build_upstream_headers(tenant: str, request_id: str, incoming: Any) -> dict[str, str]:
+    """Headers for the engine: the allowlisted client headers plus the tenant tags."""
+    headers = {h: incoming[h] for h in FORWARDED_HEADERS if h in incoming}
+    headers.setdefault("Content-Type", "application/json")
+    headers[REQUEST_ID_HEADER] = request_id
+    headers[TENANT_HEADER] = tenant
+    return headers
+
+
+def extract_usage(payload: Any) -> tuple[int, int, int] | None:
+    """(prompt, completion, cached prompt) tokens from a response or chunk's ``usage``, if present."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (_as_count(prompt), _as_count(completion), _as_count(cached))
+
+
+def _as_count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
