@@ -1,0 +1,135 @@
+"""Names, labels, ports and owner references shared by every builder. Pure."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+Obj = dict[str, Any]
+
+MANAGED_BY = "kvfleet-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MODEL_DEPLOYMENT = "kvfleet.io/model-deployment"
+LABEL_POOL = "kvfleet.io/pool"
+LABEL_TENANT = "kvfleet.io/tenant"
+LABEL_API_KEY = "kvfleet.io/api-key"
+#: Pods (in any namespace) carrying this label may scrape engine metrics ports.
+LABEL_SCRAPER = "kvfleet.io/metrics-scraper"
+
+ENGINE_PORT = 8000
+PLUGIN_METRICS_PORT = 8001
+LMCACHE_SYNC_METRICS_PORT = 8002
+LMCACHE_PORT = 6555
+LMCACHE_HTTP_PORT = 6556
+GATEWAY_PORT = 8080
+
+CONFIG_DIR = "/etc/kvfleet/config"
+KEYS_DIR = "/etc/kvfleet/keys"
+TENANT_TABLE_KEY = "tenants.json"
+KEY_FILE_KEY = "keys.json"
+
+SHARED_POOL = "shared"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The object whose deletion garbage-collects a child."""
+
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+
+    def reference(self) -> Obj:
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def selector_labels(model_deployment: str, component: str, pool: str | None = None) -> dict[str, str]:
+    labels = {
+        LABEL_NAME: "kvfleet",
+        LABEL_INSTANCE: model_deployment,
+        LABEL_COMPONENT: component,
+    }
+    if pool is not None:
+        labels[LABEL_POOL] = pool
+    return labels
+
+
+def object_labels(model_deployment: str, component: str, pool: str | None = None) -> dict[str, str]:
+    """Labels on every child: the selector labels plus the ones the operator lists its children by."""
+    return {
+        **selector_labels(model_deployment, component, pool),
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_MODEL_DEPLOYMENT: model_deployment,
+    }
+
+
+def owned_selector(model_deployment: str) -> str:
+    """Label selector that finds every child of one ModelDeployment."""
+    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_MODEL_DEPLOYMENT}={model_deployment}"
+
+
+def metadata(
+    name: str, namespace: str, labels: dict[str, str], owner: Owner, annotations: dict[str, str] | None = None
+) -> Obj:
+    meta: Obj = {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels,
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def gateway_name(model_deployment: str) -> str:
+    return f"{model_deployment}-gateway"
+
+
+def engine_name(model_deployment: str, pool: str) -> str:
+    return f"{model_deployment}-engine" if pool == SHARED_POOL else f"{model_deployment}-{pool}-engine"
+
+
+def config_map_name(model_deployment: str) -> str:
+    return f"{model_deployment}-tenants"
+
+
+def keys_secret_name(model_deployment: str) -> str:
+    return f"{model_deployment}-keys"
+
+
+def restricted_container_security() -> Obj:
+    """The container half of the ``restricted`` Pod Security level."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def restricted_pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }

@@ -1,0 +1,286 @@
+"""Engine pool workloads: a StatefulSet of vLLM + LMCache pods and its headless Service. Pure.
+
+Each replica is a pod with three containers that all run the kvfleet engine image:
+
+* ``vllm``: ``kvfleet engine launch vllm`` builds vLLM's command line from the pool's engine settings in
+  the tenant table (so the operator and the local demo start vLLM the same way) with the tenant-aware
+  block-pool plugin enabled;
+* ``lmcache``: ``kvfleet engine launch lmcache``, the LMCache server (CPU tier L1, NVMe tier L2 on the
+  replica's volume, ``IsolatedLRU`` eviction, HTTP API for quotas);
+* ``lmcache-sync``: keeps LMCache's per-tenant quotas in step with the tenant table and exports
+  per-tenant tier usage.
+
+A StatefulSet (not a Deployment) gives replicas stable DNS names, which the gateway's prefix affinity
+hashes onto, and one NVMe volume per replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfleet_operator.build.common import (
+    CONFIG_DIR,
+    ENGINE_PORT,
+    KEY_FILE_KEY,
+    KEYS_DIR,
+    LMCACHE_HTTP_PORT,
+    LMCACHE_PORT,
+    LMCACHE_SYNC_METRICS_PORT,
+    PLUGIN_METRICS_PORT,
+    TENANT_TABLE_KEY,
+    Obj,
+    Owner,
+    config_map_name,
+    engine_name,
+    keys_secret_name,
+    metadata,
+    object_labels,
+    restricted_container_security,
+    restricted_pod_security,
+    selector_labels,
+)
+
+NVME_MOUNT = "/var/lib/kvfleet/nvme"
+MODEL_MOUNT = "/models"
+
+
+@dataclass(frozen=True)
+class NvmeVolume:
+    """The per-replica L2 tier: a PVC per replica from a storage class, or a host path."""
+
+    size: str
+    storage_class: str | None = None
+    host_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelVolume:
+    """Weights from a PVC, mounted read-only at ``/models``."""
+
+    claim_name: str
+
+
+@dataclass(frozen=True)
+class PoolWorkload:
+    """Everything the engine builders need for one pool, already resolved from the CRs."""
+
+    namespace: str
+    model_deployment: str
+    pool: str
+    owner: Owner
+    replicas: int
+    image: str
+    gpus_per_replica: int
+    gpu_resource: str = "nvidia.com/gpu"
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[Obj, ...] = ()
+    #: Labels a node must carry (dedicated GPU groups): a required node affinity, not a preference.
+    required_node_labels: dict[str, str] = field(default_factory=dict)
+    model_volume: ModelVolume | None = None
+    nvme: NvmeVolume | None = None
+    shm_size: str = "8Gi"
+    cpu_request: str = "4"
+    memory_request: str = "32Gi"
+
+
+def _config_args(pool: str) -> list[str]:
+    return [
+        "--config",
+        f"{CONFIG_DIR}/{TENANT_TABLE_KEY}",
+        "--keys",
+        f"{KEYS_DIR}/{KEY_FILE_KEY}",
+        "--pool",
+        pool,
+    ]
+
+
+def _config_mounts() -> list[Obj]:
+    return [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},  # an emptyDir: the root filesystem is read-only
+    ]
+
+
+def _affinity(w: PoolWorkload) -> Obj | None:
+    if not w.required_node_labels:
+        return None
+    expressions = [
+        {"key": key, "operator": "In", "values": [value]}
+        for key, value in sorted(w.required_node_labels.items())
+    ]
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": expressions}]
+            }
+        }
+    }
+
+
+def build_engine_statefulset(w: PoolWorkload) -> Obj:
+    name = engine_name(w.model_deployment, w.pool)
+    labels = object_labels(w.model_deployment, "engine", w.pool)
+    selector = selector_labels(w.model_deployment, "engine", w.pool)
+    gpu = str(w.gpus_per_replica)
+    vllm: Obj = {
+        "name": "vllm",
+        "image": w.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kvfleet", "engine", "launch", "vllm", *_config_args(w.pool)],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "VLLM_PLUGINS", "value": "kvfleet"},
+            {"name": "KVFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "ports": [
+            {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            {"name": "kv-metrics", "containerPort": PLUGIN_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": {
+            "requests": {"cpu": w.cpu_request, "memory": w.memory_request, w.gpu_resource: gpu},
+            "limits": {w.gpu_resource: gpu},
+        },
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 180,  # large models take up to 30 minutes to load
+        },
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+        },
+        "securityContext": restricted_container_security(),
+        "volumeMounts": [*_config_mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    lmcache: Obj = {
+        "name": "lmcache",
+        "image": w.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kvfleet", "engine", "launch", "lmcache", *_config_args(w.pool)],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [
+            {"name": "lmcache", "containerPort": LMCACHE_PORT, "protocol": "TCP"},
+            {"name": "lmcache-http", "containerPort": LMCACHE_HTTP_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"tcpSocket": {"port": "lmcache-http"}, "periodSeconds": 5},
+        "securityContext": restricted_container_security(),
+        "volumeMounts": [*_config_mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    sync: Obj = {
+        "name": "lmcache-sync",
+        "image": w.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "kvfleet",
+            "engine",
+            "lmcache-sync",
+            *_config_args(w.pool),
+            "--lmcache",
+            f"http://127.0.0.1:{LMCACHE_HTTP_PORT}",
+            "--metrics-port",
+            str(LMCACHE_SYNC_METRICS_PORT),
+        ],
+        "ports": [{"name": "sync-metrics", "containerPort": LMCACHE_SYNC_METRICS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": restricted_container_security(),
+        "volumeMounts": _config_mounts(),
+    }
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": config_map_name(w.model_deployment)}},
+        {"name": "keys", "secret": {"secretName": keys_secret_name(w.model_deployment)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": w.shm_size}},
+    ]
+    if w.model_volume is not None:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": w.model_volume.claim_name, "readOnly": True},
+            }
+        )
+        vllm["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    claim_templates: list[Obj] = []
+    if w.nvme is not None:
+        lmcache["volumeMounts"].append({"name": "nvme", "mountPath": NVME_MOUNT})
+        if w.nvme.host_path is not None:
+            volumes.append(
+                {"name": "nvme", "hostPath": {"path": w.nvme.host_path, "type": "DirectoryOrCreate"}}
+            )
+        else:
+            pvc_spec: Obj = {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": w.nvme.size}},
+            }
+            if w.nvme.storage_class is not None:
+                pvc_spec["storageClassName"] = w.nvme.storage_class
+            claim_templates.append({"metadata": {"name": "nvme"}, "spec": pvc_spec})
+
+    pod_spec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": restricted_pod_security(),
+        "terminationGracePeriodSeconds": 60,
+        "containers": [vllm, lmcache, sync],
+        "volumes": volumes,
+    }
+    if w.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(w.node_selector.items()))
+    if w.tolerations:
+        pod_spec["tolerations"] = list(w.tolerations)
+    affinity = _affinity(w)
+    if affinity is not None:
+        pod_spec["affinity"] = affinity
+    spec: Obj = {
+        "replicas": w.replicas,
+        "serviceName": name,
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector},
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if claim_templates:
+        spec["volumeClaimTemplates"] = claim_templates
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(name, w.namespace, labels, w.owner),
+        "spec": spec,
+    }
+
+
+def build_engine_service(w: PoolWorkload) -> Obj:
+    """Headless: the gateway addresses each replica by its stable DNS name."""
+    name = engine_name(w.model_deployment, w.pool)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(name, w.namespace, object_labels(w.model_deployment, "engine", w.pool), w.owner),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector_labels(w.model_deployment, "engine", w.pool),
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                {
+                    "name": "kv-metrics",
+                    "port": PLUGIN_METRICS_PORT,
+                    "targetPort": "kv-metrics",
+                    "protocol": "TCP",
+                },
+                {
+                    "name": "sync-metrics",
+                    "port": LMCACHE_SYNC_METRICS_PORT,
+                    "targetPort": "sync-metrics",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+
+
+def replica_endpoints(w: PoolWorkload, port: int) -> list[str]:
+    """Base URLs of each replica through the headless Service (``<pod>.<svc>.<ns>.svc``)."""
+    name = engine_name(w.model_deployment, w.pool)
+    return [f"http://{name}-{i}.{name}.{w.namespace}.svc:{port}" for i in range(w.replicas)]
