@@ -26,11 +26,19 @@ class ManifestError(ValueError):
         self.errors = errors
 
 
+def format_field_path(loc: tuple[int | str, ...]) -> str:
+    """Kubernetes-style field path: ``spec.pool.tolerations[0].operator``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
 def format_validation_error(error: ValidationError) -> list[str]:
     """One ``field.path: message`` line per pydantic error, paths in camelCase as written in YAML."""
     lines = []
     for item in error.errors():
-        path = ".".join(str(part) for part in item["loc"])
+        path = format_field_path(item["loc"])
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{path}: {message}" if path else message)
     return lines

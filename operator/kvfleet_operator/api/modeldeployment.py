@@ -12,11 +12,9 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, model_validator
 
 from kvfleet_operator.api.common import (
-    API_VERSION,
     CelRule,
     Conditions,
     CrdModel,
-    LabelName,
     ObjectName,
     cel_rules_schema,
 )
@@ -80,6 +78,7 @@ class TaintEffect(StrEnum):
 PosInt = Annotated[int, Field(ge=1)]
 
 # --- model --------------------------------------------------------------------------------------------
+
 
 class PvcSource(CrdModel):
     """Model files on a PersistentVolumeClaim in this namespace."""
@@ -203,7 +202,9 @@ class ArchitectureSpec(CrdModel):
     hidden_size: Annotated[int | None, Field(ge=1, le=1048576, description="Model hidden size.")] = None
     kv_lora_rank: Annotated[
         int | None,
-        Field(ge=1, le=65536, description="MLA only: rank of the compressed KV latent (512 for DeepSeek-V3)."),
+        Field(
+            ge=1, le=65536, description="MLA only: rank of the compressed KV latent (512 for DeepSeek-V3)."
+        ),
     ] = None
     qk_rope_head_dim: Annotated[
         int | None,
@@ -303,7 +304,10 @@ class EngineSpec(CrdModel):
         int, Field(ge=1, le=64, description="GPUs that split MoE experts; 1 disables expert parallelism.")
     ] = 1
     data_parallel_size: Annotated[
-        int, Field(ge=1, le=64, description="Data-parallel attention ranks per replica (vLLM --data-parallel-size).")
+        int,
+        Field(
+            ge=1, le=64, description="Data-parallel attention ranks per replica (vLLM --data-parallel-size)."
+        ),
     ] = 1
     max_model_len: Annotated[
         int | None,
@@ -332,10 +336,15 @@ class EngineSpec(CrdModel):
     )
     max_num_batched_tokens: Annotated[
         int | None,
-        Field(ge=1, le=16777216, description="Most tokens per scheduler step (e.g. 8192); empty: vLLM's default."),
+        Field(
+            ge=1,
+            le=16777216,
+            description="Most tokens per scheduler step (e.g. 8192); empty: vLLM's default.",
+        ),
     ] = None
     max_num_seqs: Annotated[
-        int | None, Field(ge=1, le=65536, description="Most sequences per scheduler step; empty: vLLM's default.")
+        int | None,
+        Field(ge=1, le=65536, description="Most sequences per scheduler step; empty: vLLM's default."),
     ] = None
     scheduling_policy: SchedulingPolicy = Field(
         default=SchedulingPolicy.PRIORITY,
@@ -388,7 +397,11 @@ class NvmeTier(CrdModel):
     ] = None
     host_path: Annotated[
         str | None,
-        Field(max_length=1024, pattern=r"^/.*$", description="Absolute node path to an NVMe mount, e.g. /mnt/nvme."),
+        Field(
+            max_length=1024,
+            pattern=r"^/.*$",
+            description="Absolute node path to an NVMe mount, e.g. /mnt/nvme.",
+        ),
     ] = None
 
     @model_validator(mode="after")
@@ -497,7 +510,8 @@ class PoolSpec(CrdModel):
         default=None, description="Memory of one GPU, e.g. 141Gi (H200); sets the KV capacity estimate."
     )
     cpu_kv_cache_space: Quantity | None = Field(
-        default=None, description="CPU engines only: memory for the KV cache (VLLM_CPU_KVCACHE_SPACE), e.g. 1Gi."
+        default=None,
+        description="CPU engines only: memory for the KV cache (VLLM_CPU_KVCACHE_SPACE), e.g. 1Gi.",
     )
     node_selector: Annotated[
         dict[str, Annotated[str, Field(max_length=63)]],
@@ -536,10 +550,14 @@ class ResourceRequirements(CrdModel):
 class GatewaySpec(CrdModel):
     """The tenant-aware gateway in front of the pool."""
 
-    replicas: Annotated[int, Field(ge=1, le=64, description="Gateway replicas (2 or more for availability).")] = 2
+    replicas: Annotated[
+        int, Field(ge=1, le=64, description="Gateway replicas (2 or more for availability).")
+    ] = 2
     image: Annotated[
         str | None,
-        Field(max_length=512, pattern=r"^[^\s]+$", description="Gateway image; empty: the operator's default."),
+        Field(
+            max_length=512, pattern=r"^[^\s]+$", description="Gateway image; empty: the operator's default."
+        ),
     ] = None
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,
@@ -563,7 +581,9 @@ class ModelDeploymentSpec(CrdModel):
         json_schema_extra={"default": {}},
     )
     pool: PoolSpec = Field(
-        default_factory=PoolSpec, description="Engine replicas and placement.", json_schema_extra={"default": {}}
+        default_factory=PoolSpec,
+        description="Engine replicas and placement.",
+        json_schema_extra={"default": {}},
     )
     gateway: GatewaySpec = Field(
         default_factory=GatewaySpec, description="The gateway in front.", json_schema_extra={"default": {}}
@@ -588,7 +608,9 @@ class TierCapacity(CrdModel):
 
     tokens: Annotated[int, Field(ge=0, description="Tokens of KV that fit.")] = 0
     bytes: Annotated[int, Field(ge=0, description="Bytes of KV space.")] = 0
-    blocks: Annotated[int, Field(ge=0, description="KV blocks (HBM: vLLM blocks; CPU/NVMe: LMCache chunks).")] = 0
+    blocks: Annotated[
+        int, Field(ge=0, description="KV blocks (HBM: vLLM blocks; CPU/NVMe: LMCache chunks).")
+    ] = 0
 
 
 class TieredCapacity(CrdModel):
@@ -648,9 +670,9 @@ class ModelDeployment(CrdModel):
     """A model and how to serve it: engine settings, KV cache tiers, GPU pool and gateway."""
 
     api_version: Literal["kvfleet.io/v1alpha1"] = Field(
-        default=API_VERSION, alias="apiVersion", description="kvfleet.io/v1alpha1"
+        default="kvfleet.io/v1alpha1", alias="apiVersion", description="kvfleet.io/v1alpha1"
     )
-    kind: Literal["ModelDeployment"] = Field(default=KIND_MODEL_DEPLOYMENT, description="ModelDeployment")
+    kind: Literal["ModelDeployment"] = Field(default="ModelDeployment", description="ModelDeployment")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
     spec: ModelDeploymentSpec = Field(description="Desired state.")
     status: ModelDeploymentStatus | None = Field(default=None, description="Observed state.")

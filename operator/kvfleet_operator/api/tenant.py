@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, model_validator
 
 from kvfleet_operator.api.common import (
-    API_VERSION,
     CelRule,
     Conditions,
     CrdModel,
@@ -36,7 +35,9 @@ class TenantKvQuota(CrdModel):
         "of tokens (e.g. 500000).",
     )
     cpu: Quantity = Field(default="0", description="LMCache CPU-tier bytes this tenant may hold, e.g. 16Gi.")
-    nvme: Quantity = Field(default="0", description="LMCache NVMe-tier bytes this tenant may hold, e.g. 200Gi.")
+    nvme: Quantity = Field(
+        default="0", description="LMCache NVMe-tier bytes this tenant may hold, e.g. 200Gi."
+    )
 
 
 class TenantTtls(CrdModel):
@@ -205,9 +206,9 @@ class Tenant(CrdModel):
     """A tenant of a ModelDeployment: tier, isolation, KV quotas and TTLs, rate limits, API key."""
 
     api_version: Literal["kvfleet.io/v1alpha1"] = Field(
-        default=API_VERSION, alias="apiVersion", description="kvfleet.io/v1alpha1"
+        default="kvfleet.io/v1alpha1", alias="apiVersion", description="kvfleet.io/v1alpha1"
     )
-    kind: Literal["Tenant"] = Field(default=KIND_TENANT, description="Tenant")
+    kind: Literal["Tenant"] = Field(default="Tenant", description="Tenant")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
     spec: TenantSpec = Field(description="Desired state.")
     status: TenantStatus | None = Field(default=None, description="Observed state.")

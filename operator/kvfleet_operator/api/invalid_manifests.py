@@ -1,0 +1,556 @@
+"""The table of invalid manifests every admission path must reject, naming the offending field.
+
+One row per mistake a user can make. The unit tests replay every row through the pydantic models (and
+the schema-only rows through the CRD's OpenAPI schema); the cluster tests replay the same rows against a
+real kube-apiserver with the generated CRDs installed. A row:
+
+* ``kind``: ``ModelDeployment`` or ``Tenant``; the row patches :func:`build_base_manifest` of that kind.
+* ``patch``: dotted wire path -> new value (:data:`REMOVE` deletes the key).
+* ``field``: the Kubernetes-style field path (``spec.pool.tolerations[0].operator``) the error must name.
+* ``rule``: :attr:`RuleKind.SCHEMA` (type, enum, bound, pattern, required: the OpenAPI schema catches it)
+  or :attr:`RuleKind.CEL` (an ``x-kubernetes-validations`` rule catches it).
+* ``old_patch``: for transition rules (``oldSelf``), the object is first created from the base with
+  ``old_patch`` applied, then updated to the base with ``patch`` applied; the update must fail.
+* ``strict_only``: the API server rejects the row only under strict field validation
+  (``fieldValidation=Strict``, kubectl's default); otherwise it prunes the unknown field silently.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+
+class _Remove:
+    def __repr__(self) -> str:
+        return "REMOVE"
+
+
+#: Patch value that deletes a key.
+REMOVE: Final = _Remove()
+
+
+class RuleKind(StrEnum):
+    """Which part of the CRD rejects a row."""
+
+    SCHEMA = "schema"
+    CEL = "cel"
+
+
+@dataclass(frozen=True)
+class InvalidManifestCase:
+    """One invalid manifest (see the module docstring)."""
+
+    id: str
+    description: str
+    kind: str
+    patch: Mapping[str, Any]
+    field: str
+    rule: RuleKind
+    old_patch: Mapping[str, Any] | None = None
+    strict_only: bool = False
+
+    @property
+    def is_transition(self) -> bool:
+        return self.old_patch is not None
+
+
+_BASE_MODEL_DEPLOYMENT: Final[Mapping[str, Any]] = {
+    "apiVersion": "kvfleet.io/v1alpha1",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "base", "namespace": "default"},
+    "spec": {
+        "model": {
+            "servedName": "llama-3.1-8b",
+            "source": {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"},
+            "architecture": {"preset": "llama-3.1-8b"},
+        },
+        "engine": {"tensorParallelSize": 1, "kvCacheDtype": "fp8_e5m2", "blockSize": 16},
+        "kvCache": {
+            "cpuSize": "64Gi",
+            "nvme": {"size": "1Ti", "storageClassName": "local-nvme"},
+            "ttl": {"hbm": "30s", "cpu": "10m", "nvme": "24h"},
+        },
+        "pool": {"replicas": 2, "gpusPerReplica": 1, "gpuType": "NVIDIA-H200", "gpuMemory": "141Gi"},
+        "gateway": {"replicas": 2},
+    },
+}
+
+_BASE_TENANT: Final[Mapping[str, Any]] = {
+    "apiVersion": "kvfleet.io/v1alpha1",
+    "kind": "Tenant",
+    "metadata": {"name": "base", "namespace": "default"},
+    "spec": {
+        "modelDeploymentRef": {"name": "base"},
+        "tier": "standard",
+        "isolation": "salted",
+        "kvQuota": {"hbm": "20%", "cpu": "16Gi", "nvme": "100Gi"},
+        "burstLimit": "50%",
+    },
+}
+
+_EXPLICIT_ARCH: Final[Mapping[str, Any]] = {
+    "numLayers": 32,
+    "numAttentionHeads": 32,
+    "numKvHeads": 8,
+    "headDim": 128,
+    "hiddenSize": 4096,
+}
+
+
+def build_base_manifest(kind: str) -> dict[str, Any]:
+    """A valid manifest of ``kind`` that every row of that kind patches (a fresh deep copy)."""
+    base = {"ModelDeployment": _BASE_MODEL_DEPLOYMENT, "Tenant": _BASE_TENANT}[kind]
+    return copy.deepcopy(dict(base))
+
+
+def apply_patch(manifest: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply a dotted-path patch to ``manifest`` in place and return it."""
+    for dotted, value in patch.items():
+        *parents, leaf = dotted.split(".")
+        node = manifest
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is REMOVE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return manifest
+
+
+def build_invalid_manifest(case: InvalidManifestCase) -> dict[str, Any]:
+    """The invalid manifest of ``case`` (for a transition row: the rejected new version)."""
+    return apply_patch(build_base_manifest(case.kind), case.patch)
+
+
+def build_old_manifest(case: InvalidManifestCase) -> dict[str, Any] | None:
+    """For a transition row, the valid previous version; ``None`` for every other row."""
+    if case.old_patch is None:
+        return None
+    return apply_patch(build_base_manifest(case.kind), case.old_patch)
+
+
+def _md(
+    id_: str, description: str, patch: Mapping[str, Any], field: str, rule: RuleKind, **extra: Any
+) -> InvalidManifestCase:
+    return InvalidManifestCase(id_, description, "ModelDeployment", patch, field, rule, **extra)
+
+
+def _tn(
+    id_: str, description: str, patch: Mapping[str, Any], field: str, rule: RuleKind, **extra: Any
+) -> InvalidManifestCase:
+    return InvalidManifestCase(id_, description, "Tenant", patch, field, rule, **extra)
+
+
+S, C = RuleKind.SCHEMA, RuleKind.CEL
+_ARCH = "spec.model.architecture"
+
+INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
+    # --- ModelDeployment: model -------------------------------------------------------------------
+    _md("md-missing-model", "spec.model is missing", {"spec.model": REMOVE}, "spec.model", S),
+    _md(
+        "md-served-name-space",
+        "served name with a space",
+        {"spec.model.servedName": "llama 8b"},
+        "spec.model.servedName",
+        S,
+    ),
+    _md(
+        "md-two-sources",
+        "two model sources",
+        {"spec.model.source": {"huggingFace": "meta-llama/Llama-3.1-8B", "uri": "s3://models/llama"}},
+        "spec.model.source",
+        C,
+    ),
+    _md("md-no-source", "no model source", {"spec.model.source": {}}, "spec.model.source", C),
+    _md(
+        "md-bad-hf-id",
+        "malformed Hugging Face id",
+        {"spec.model.source": {"huggingFace": "not a/valid/id"}},
+        "spec.model.source.huggingFace",
+        S,
+    ),
+    _md(
+        "md-bad-uri-scheme",
+        "URI scheme not supported",
+        {"spec.model.source": {"uri": "ftp://models/llama"}},
+        "spec.model.source.uri",
+        S,
+    ),
+    _md(
+        "md-bad-pvc-name",
+        "PVC claim name not a DNS name",
+        {"spec.model.source": {"pvc": {"claimName": "Bad_Name"}}},
+        "spec.model.source.pvc.claimName",
+        S,
+    ),
+    _md("md-arch-two-ways", "preset and fromConfig together", {f"{_ARCH}.fromConfig": True}, _ARCH, C),
+    _md("md-arch-none", "no architecture at all", {_ARCH: {}}, _ARCH, C),
+    _md("md-arch-incomplete", "explicit architecture without heads", {_ARCH: {"numLayers": 32}}, _ARCH, C),
+    _md("md-arch-unknown-preset", "unknown preset", {f"{_ARCH}.preset": "gpt-5"}, f"{_ARCH}.preset", S),
+    _md(
+        "md-arch-zero-layers",
+        "zero layers",
+        {_ARCH: {**_EXPLICIT_ARCH, "numLayers": 0}},
+        f"{_ARCH}.numLayers",
+        S,
+    ),
+    _md(
+        "md-arch-kv-heads-not-divisor",
+        "KV heads do not divide attention heads",
+        {_ARCH: {**_EXPLICIT_ARCH, "numKvHeads": 6}},
+        f"{_ARCH}.numKvHeads",
+        C,
+    ),
+    _md(
+        "md-arch-mla-half",
+        "kvLoraRank without qkRopeHeadDim",
+        {_ARCH: {**_EXPLICIT_ARCH, "kvLoraRank": 512}},
+        f"{_ARCH}.kvLoraRank",
+        C,
+    ),
+    _md(
+        "md-arch-experts-per-token",
+        "more experts per token than experts",
+        {_ARCH: {**_EXPLICIT_ARCH, "numExperts": 8, "numExpertsPerToken": 16}},
+        f"{_ARCH}.numExpertsPerToken",
+        C,
+    ),
+    _md(
+        "md-arch-weight-dtype",
+        "unknown weight dtype",
+        {_ARCH: {**_EXPLICIT_ARCH, "weightDtype": "float8"}},
+        f"{_ARCH}.weightDtype",
+        S,
+    ),
+    # --- ModelDeployment: engine ------------------------------------------------------------------
+    _md(
+        "md-kv-dtype-enum",
+        "kvCacheDtype not a vLLM KV dtype",
+        {"spec.engine.kvCacheDtype": "fp8"},
+        "spec.engine.kvCacheDtype",
+        S,
+    ),
+    _md(
+        "md-kv-dtype-int8",
+        "int8 KV cache is not offered",
+        {"spec.engine.kvCacheDtype": "int8"},
+        "spec.engine.kvCacheDtype",
+        S,
+    ),
+    _md(
+        "md-block-size-not-power-of-two",
+        "block size 24",
+        {"spec.engine.blockSize": 24},
+        "spec.engine.blockSize",
+        S,
+    ),
+    _md(
+        "md-block-size-not-allowed",
+        "block size 256 (power of two, not allowed)",
+        {"spec.engine.blockSize": 256},
+        "spec.engine.blockSize",
+        S,
+    ),
+    _md(
+        "md-tp-zero",
+        "tensor parallel size 0",
+        {"spec.engine.tensorParallelSize": 0},
+        "spec.engine.tensorParallelSize",
+        S,
+    ),
+    _md(
+        "md-gpus-mismatch",
+        "8-way tensor parallel on 1 GPU per replica",
+        {"spec.engine.tensorParallelSize": 8},
+        "spec.pool.gpusPerReplica",
+        C,
+    ),
+    _md(
+        "md-gpu-util-above-one",
+        "GPU memory utilisation above 1",
+        {"spec.engine.gpuMemoryUtilization": 1.5},
+        "spec.engine.gpuMemoryUtilization",
+        S,
+    ),
+    _md(
+        "md-gpu-util-zero",
+        "GPU memory utilisation 0",
+        {"spec.engine.gpuMemoryUtilization": 0},
+        "spec.engine.gpuMemoryUtilization",
+        S,
+    ),
+    _md(
+        "md-scheduling-policy-enum",
+        "unknown scheduling policy",
+        {"spec.engine.schedulingPolicy": "lifo"},
+        "spec.engine.schedulingPolicy",
+        S,
+    ),
+    _md(
+        "md-max-model-len-tiny",
+        "max model length 8",
+        {"spec.engine.maxModelLen": 8},
+        "spec.engine.maxModelLen",
+        S,
+    ),
+    _md(
+        "md-unchunked-small-batch",
+        "no chunked prefill and a batch smaller than the context",
+        {
+            "spec.engine.enableChunkedPrefill": False,
+            "spec.engine.maxModelLen": 32768,
+            "spec.engine.maxNumBatchedTokens": 8192,
+        },
+        "spec.engine.maxNumBatchedTokens",
+        C,
+    ),
+    _md(
+        "md-extra-args-short-flag",
+        "short option in extraArgs",
+        {"spec.engine.extraArgs": ["-tp", "8"]},
+        "spec.engine.extraArgs",
+        C,
+    ),
+    _md(
+        "md-unknown-engine-field",
+        "typo in an engine field",
+        {"spec.engine.tensorParalelSize": 2},
+        "spec.engine.tensorParalelSize",
+        S,
+        strict_only=True,
+    ),
+    # --- ModelDeployment: KV cache ----------------------------------------------------------------
+    _md(
+        "md-bad-cpu-size",
+        "CPU tier size in GB instead of a quantity",
+        {"spec.kvCache.cpuSize": "256GB"},
+        "spec.kvCache.cpuSize",
+        S,
+    ),
+    _md(
+        "md-negative-cpu-size",
+        "negative CPU tier size",
+        {"spec.kvCache.cpuSize": "-1Gi"},
+        "spec.kvCache.cpuSize",
+        S,
+    ),
+    _md(
+        "md-nvme-no-storage",
+        "NVMe tier without storage class or host path",
+        {"spec.kvCache.nvme": {"size": "2Ti"}},
+        "spec.kvCache.nvme",
+        C,
+    ),
+    _md(
+        "md-nvme-both-storage",
+        "NVMe tier with both storage class and host path",
+        {"spec.kvCache.nvme.hostPath": "/mnt/nvme"},
+        "spec.kvCache.nvme",
+        C,
+    ),
+    _md(
+        "md-nvme-relative-path",
+        "relative NVMe host path",
+        {"spec.kvCache.nvme": {"size": "2Ti", "hostPath": "mnt/nvme"}},
+        "spec.kvCache.nvme.hostPath",
+        S,
+    ),
+    _md("md-negative-ttl", "negative HBM TTL", {"spec.kvCache.ttl.hbm": "-30s"}, "spec.kvCache.ttl.hbm", S),
+    _md("md-zero-ttl", "zero HBM TTL", {"spec.kvCache.ttl.hbm": "0s"}, "spec.kvCache.ttl.hbm", C),
+    _md(
+        "md-ttl-days",
+        "TTL in days (not a Go duration unit)",
+        {"spec.kvCache.ttl.nvme": "1d"},
+        "spec.kvCache.ttl.nvme",
+        S,
+    ),
+    _md("md-ttl-order", "HBM TTL longer than CPU TTL", {"spec.kvCache.ttl.hbm": "1h"}, "spec.kvCache.ttl", C),
+    _md(
+        "md-chunk-size-zero",
+        "LMCache chunk size 0",
+        {"spec.kvCache.chunkSize": 0},
+        "spec.kvCache.chunkSize",
+        S,
+    ),
+    # --- ModelDeployment: pool and gateway --------------------------------------------------------
+    _md("md-negative-replicas", "negative replicas", {"spec.pool.replicas": -1}, "spec.pool.replicas", S),
+    _md(
+        "md-gateway-zero-replicas",
+        "gateway with zero replicas",
+        {"spec.gateway.replicas": 0},
+        "spec.gateway.replicas",
+        S,
+    ),
+    _md(
+        "md-cpu-kv-space-on-gpu",
+        "cpuKvCacheSpace on a GPU pool",
+        {"spec.pool.cpuKvCacheSpace": "1Gi"},
+        "spec.pool.cpuKvCacheSpace",
+        C,
+    ),
+    _md(
+        "md-bad-gpu-memory",
+        "GPU memory not a quantity",
+        {"spec.pool.gpuMemory": "141 GB"},
+        "spec.pool.gpuMemory",
+        S,
+    ),
+    _md(
+        "md-toleration-operator",
+        "toleration operator In",
+        {"spec.pool.tolerations": [{"key": "nvidia.com/gpu", "operator": "In"}]},
+        "spec.pool.tolerations[0].operator",
+        S,
+    ),
+    _md(
+        "md-gateway-bad-cpu",
+        "gateway CPU request not a quantity",
+        {"spec.gateway.resources": {"requests": {"cpu": "two"}}},
+        "spec.gateway.resources.requests.cpu",
+        S,
+    ),
+    # --- Tenant -----------------------------------------------------------------------------------
+    _tn(
+        "tn-missing-ref",
+        "no modelDeploymentRef",
+        {"spec.modelDeploymentRef": REMOVE},
+        "spec.modelDeploymentRef",
+        S,
+    ),
+    _tn(
+        "tn-bad-ref-name",
+        "ModelDeployment name not a DNS name",
+        {"spec.modelDeploymentRef.name": "Qwen72B"},
+        "spec.modelDeploymentRef.name",
+        S,
+    ),
+    _tn("tn-tier-enum", "unknown tier", {"spec.tier": "gold"}, "spec.tier", S),
+    _tn("tn-isolation-enum", "unknown isolation", {"spec.isolation": "private"}, "spec.isolation", S),
+    _tn(
+        "tn-dedicated-missing",
+        "dedicated isolation without dedicated settings",
+        {"spec.isolation": "dedicated"},
+        "spec.dedicated",
+        C,
+    ),
+    _tn(
+        "tn-dedicated-on-salted",
+        "dedicated settings on a salted tenant",
+        {"spec.dedicated": {"gpuGroup": "bank-h200", "replicas": 1}},
+        "spec.dedicated",
+        C,
+    ),
+    _tn(
+        "tn-dedicated-on-shared",
+        "dedicated settings on a shared tenant",
+        {"spec.isolation": "shared", "spec.dedicated": {"gpuGroup": "bank-h200"}},
+        "spec.dedicated",
+        C,
+    ),
+    _tn(
+        "tn-dedicated-zero-replicas",
+        "dedicated pool with zero replicas",
+        {"spec.isolation": "dedicated", "spec.dedicated": {"gpuGroup": "bank-h200", "replicas": 0}},
+        "spec.dedicated.replicas",
+        S,
+    ),
+    _tn(
+        "tn-dedicated-bad-group",
+        "GPU group not a DNS label",
+        {"spec.isolation": "dedicated", "spec.dedicated": {"gpuGroup": "Bank_H200"}},
+        "spec.dedicated.gpuGroup",
+        S,
+    ),
+    _tn(
+        "tn-quota-above-100",
+        "HBM quota above 100%",
+        {"spec.kvQuota.hbm": "120%", "spec.burstLimit": "100%"},
+        "spec.kvQuota.hbm",
+        C,
+    ),
+    _tn(
+        "tn-quota-negative-tokens",
+        "negative HBM token quota",
+        {"spec.kvQuota.hbm": -5},
+        "spec.kvQuota.hbm",
+        C,
+    ),
+    _tn(
+        "tn-quota-not-a-share",
+        "HBM quota neither share nor tokens",
+        {"spec.kvQuota.hbm": "lots"},
+        "spec.kvQuota.hbm",
+        S,
+    ),
+    _tn(
+        "tn-burst-below-quota",
+        "burst limit below the HBM quota",
+        {"spec.kvQuota.hbm": "40%", "spec.burstLimit": "30%"},
+        "spec.burstLimit",
+        C,
+    ),
+    _tn("tn-burst-above-100", "burst limit above 100%", {"spec.burstLimit": "150%"}, "spec.burstLimit", C),
+    _tn(
+        "tn-burst-fraction",
+        "burst limit as a fraction instead of a percentage",
+        {"spec.burstLimit": "0.5"},
+        "spec.burstLimit",
+        S,
+    ),
+    _tn("tn-bad-cpu-quota", "CPU quota in GB", {"spec.kvQuota.cpu": "16GB"}, "spec.kvQuota.cpu", S),
+    _tn(
+        "tn-negative-nvme-quota", "negative NVMe quota", {"spec.kvQuota.nvme": "-1Gi"}, "spec.kvQuota.nvme", S
+    ),
+    _tn("tn-negative-ttl", "negative CPU TTL", {"spec.ttl": {"cpu": "-10m"}}, "spec.ttl.cpu", S),
+    _tn("tn-zero-ttl", "zero HBM TTL", {"spec.ttl": {"hbm": "0s"}}, "spec.ttl.hbm", C),
+    _tn("tn-ttl-no-unit", "TTL without a unit", {"spec.ttl": {"hbm": "30"}}, "spec.ttl.hbm", S),
+    _tn(
+        "tn-rate-zero",
+        "zero requests per minute",
+        {"spec.rateLimits": {"requestsPerMinute": 0}},
+        "spec.rateLimits.requestsPerMinute",
+        S,
+    ),
+    _tn(
+        "tn-concurrency-negative",
+        "negative max concurrency",
+        {"spec.rateLimits": {"maxConcurrent": -1}},
+        "spec.rateLimits.maxConcurrent",
+        S,
+    ),
+    _tn(
+        "tn-secret-ref-no-name",
+        "API key Secret reference without a name",
+        {"spec.apiKeySecretRef": {"key": "token"}},
+        "spec.apiKeySecretRef.name",
+        S,
+    ),
+    _tn(
+        "tn-unknown-field",
+        "typo: quota instead of kvQuota",
+        {"spec.quota": {"hbm": "20%"}},
+        "spec.quota",
+        S,
+        strict_only=True,
+    ),
+    _tn(
+        "tn-isolation-salted-to-shared",
+        "changing isolation from salted to shared",
+        {"spec.isolation": "shared"},
+        "spec.isolation",
+        C,
+        old_patch={},
+    ),
+    _tn(
+        "tn-isolation-dedicated-to-salted",
+        "changing isolation from dedicated to salted",
+        {},
+        "spec.isolation",
+        C,
+        old_patch={"spec.isolation": "dedicated", "spec.dedicated": {"gpuGroup": "bank-h200"}},
+    ),
+)
