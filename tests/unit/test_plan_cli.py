@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ QWEN_EXAMPLE = [
 ]
 
 
-def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
     assert main([*argv, "--output", "json"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""
@@ -114,7 +115,7 @@ def test_json_output_shape_is_stable(capsys: pytest.CaptureFixture[str]) -> None
         "sessions_fit": 88,
         "fits": True,
     }
-    assert workload["cpu"]["fits"] is False  # type: ignore[index]
+    assert workload["cpu"]["fits"] is False
     restore = data["restore"]
     assert isinstance(restore, dict)
     assert set(restore) == {
@@ -154,7 +155,7 @@ def test_llama_70b_bytes_per_token_through_the_cli(capsys: pytest.CaptureFixture
     data = _json(
         capsys, ["plan", "--preset", "llama-3.3-70b", "--tensor-parallel", "8", "--gpu-memory", "141GB"]
     )
-    assert data["kv_per_token"]["bytes"] == 327_680  # type: ignore[index]
+    assert data["kv_per_token"]["bytes"] == 327_680
 
 
 def test_tiny_model_explicit_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,19 +167,19 @@ def test_tiny_model_explicit_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--weight-bytes-per-gpu", "0",
     ]  # fmt: skip
     data = _json(capsys, argv)
-    assert data["model"]["name"] == "custom"  # type: ignore[index]
-    assert data["kv_per_token"]["bytes"] == 512  # type: ignore[index]
-    assert data["capacity"]["tokens_per_replica"] == 2_097_152  # type: ignore[index]
+    assert data["model"]["name"] == "custom"
+    assert data["kv_per_token"]["bytes"] == 512
+    assert data["capacity"]["tokens_per_replica"] == 2_097_152
 
 
 def test_deepseek_mla_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(
         capsys, ["plan", "--preset", "deepseek-v3", "--gpus-per-replica", "8", "--gpu-memory", "141GB"]
     )
-    assert data["model"]["attention"] == "MLA"  # type: ignore[index]
-    assert data["engine"]["tensor_parallel"] == 8  # type: ignore[index]
-    assert data["kv_per_token"]["bytes"] == 70_272  # type: ignore[index]
-    assert data["capacity"]["tokens_per_replica"] == 581_648  # type: ignore[index]
+    assert data["model"]["attention"] == "MLA"
+    assert data["engine"]["tensor_parallel"] == 8
+    assert data["kv_per_token"]["bytes"] == 70_272
+    assert data["capacity"]["tokens_per_replica"] == 581_648
 
 
 def test_config_json_with_overrides(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -188,16 +189,16 @@ def test_config_json_with_overrides(capsys: pytest.CaptureFixture[str], tmp_path
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     data = _json(capsys, ["plan", "--config-json", str(tmp_path), "--num-parameters", "5M", "--name", "tiny"])
-    assert data["model"]["name"] == "tiny"  # type: ignore[index]
-    assert data["model"]["architecture"]["num_parameters"] == 5_000_000  # type: ignore[index]
+    assert data["model"]["name"] == "tiny"
+    assert data["model"]["architecture"]["num_parameters"] == 5_000_000
 
 
 def test_pipeline_and_gpus_per_replica(capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(
         capsys, ["plan", "--preset", "llama-3.3-70b", "--gpus-per-replica", "16", "--pipeline-parallel", "2"]
     )
-    assert data["engine"]["tensor_parallel"] == 8  # type: ignore[index]
-    assert data["kv_per_token"]["layers_per_gpu"] == 40  # type: ignore[index]
+    assert data["engine"]["tensor_parallel"] == 8
+    assert data["kv_per_token"]["layers_per_gpu"] == 40
 
 
 @pytest.mark.parametrize(

@@ -425,20 +425,22 @@ def test_tokens_for_kv_bytes_never_exceed_the_space(kv_bytes: int, per_token: in
 
 
 def test_build_plan_wires_everything() -> None:
-    plan = build_plan(
-        PlanRequest(
-            model_name="qwen",
-            architecture=QWEN72,
-            kv_cache_dtype=KVCacheDtype.FP8_E5M2,
-            tensor_parallel=8,
-            gpu_memory_bytes=parse_quantity("141Gi"),
-            gpu_memory_utilization=Fraction(92, 100),
-            replicas=2,
-            context_tokens=131_072,
-            sessions=64,
-        )
+    plan_request = PlanRequest(
+        model_name="qwen",
+        architecture=QWEN72,
+        kv_cache_dtype=KVCacheDtype.FP8_E5M2,
+        tensor_parallel=8,
+        gpu_memory_bytes=parse_quantity("141Gi"),
+        gpu_memory_utilization=Fraction(92, 100),
+        replicas=2,
+        context_tokens=131_072,
+        sessions=64,
     )
+    plan = build_plan(plan_request)
     assert plan.capacity.tokens_per_replica == 5_808_672
+    # a float utilization means its decimal: 0.92 -> 92/100, the same plan as the Fraction
+    same = PlanRequest.model_validate({**plan_request.model_dump(), "gpu_memory_utilization": 0.92})
+    assert same.gpu_memory_utilization == Fraction(92, 100)
     assert plan.sessions is not None and plan.sessions.pool == 88
     assert plan.workload is not None and plan.workload.hbm.fits is True
     assert plan.restore is not None and plan.restore.bytes_per_gpu == 131_072 * 20_480

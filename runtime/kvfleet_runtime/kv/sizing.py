@@ -825,6 +825,14 @@ class PlanRequest(BaseModel):
     pcie_gbps: Fraction = DEFAULT_PCIE_GBPS
     nvme_gbps: Fraction = DEFAULT_NVME_GBPS
 
+    @field_validator("gpu_memory_utilization", "pcie_gbps", "nvme_gbps", mode="before")
+    @classmethod
+    def _exact_ratio(cls, value: Any) -> Any:
+        # 0.92 must mean 92/100, not the binary float's 0.9200000000000000399..., or floors drift.
+        if isinstance(value, float | str):
+            return _as_fraction(value, "ratio")
+        return value
+
 
 class PlanModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
