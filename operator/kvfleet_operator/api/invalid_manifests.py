@@ -98,6 +98,8 @@ _EXPLICIT_ARCH: Final[Mapping[str, Any]] = {
     "numKvHeads": 8,
     "headDim": 128,
     "hiddenSize": 4096,
+    "numParameters": 8_030_000_000,
+    "weightDtype": "bfloat16",
 }
 
 
@@ -221,8 +223,8 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
     ),
     _md(
         "md-arch-weight-dtype",
-        "unknown weight dtype",
-        {_ARCH: {**_EXPLICIT_ARCH, "weightDtype": "float8"}},
+        "weight dtype shorthand bf16 (the API spells it bfloat16)",
+        {_ARCH: {**_EXPLICIT_ARCH, "weightDtype": "bf16"}},
         f"{_ARCH}.weightDtype",
         S,
     ),

@@ -35,11 +35,14 @@ class ArchitecturePreset(StrEnum):
 
 
 class WeightDtype(StrEnum):
-    """Data type of the model weights (sets weight bytes per parameter)."""
+    """Data type of the model weights (sets weight bytes per parameter).
 
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
+    Same values as ``kvfleet_runtime.kv.sizing.WeightDtype``.
+    """
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
     FP8 = "fp8"
     INT8 = "int8"
     INT4 = "int4"
@@ -139,9 +142,9 @@ RULE_ARCH_ONE_WAY = CelRule(
 )
 RULE_ARCH_EXPLICIT_COMPLETE = CelRule(
     rule="!has(self.numLayers) || (has(self.numAttentionHeads) && has(self.numKvHeads)"
-    " && has(self.headDim) && has(self.hiddenSize))",
+    " && has(self.headDim) && has(self.hiddenSize) && has(self.numParameters) && has(self.weightDtype))",
     message="spec.model.architecture given explicitly needs numLayers, numAttentionHeads, numKvHeads, "
-    "headDim and hiddenSize",
+    "headDim, hiddenSize, numParameters and weightDtype",
 )
 RULE_ARCH_KV_HEADS = CelRule(
     rule="!has(self.numKvHeads) || !has(self.numAttentionHeads) || "
@@ -160,7 +163,14 @@ RULE_ARCH_EXPERTS = CelRule(
     message="spec.model.architecture.numExpertsPerToken needs numExperts and must not exceed it",
     field_path=".numExpertsPerToken",
 )
-_EXPLICIT_FIELDS = ("num_attention_heads", "num_kv_heads", "head_dim", "hidden_size")
+_EXPLICIT_FIELDS = (
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "num_parameters",
+    "weight_dtype",
+)
 
 
 class ArchitectureSpec(CrdModel):
@@ -215,7 +225,8 @@ class ArchitectureSpec(CrdModel):
         Field(ge=1, description="Total parameter count, e.g. 72700000000; sets the weight memory."),
     ] = None
     weight_dtype: WeightDtype | None = Field(
-        default=None, description="Data type of the weights: bf16, fp16, fp32, fp8, int8 or int4."
+        default=None,
+        description="Data type of the weights: bfloat16, float16, float32, fp8, int8 or int4.",
     )
     num_experts: Annotated[
         int | None, Field(ge=1, le=4096, description="MoE only: number of routed experts per layer.")
@@ -241,6 +252,12 @@ class ArchitectureSpec(CrdModel):
         ):
             raise ValueError(RULE_ARCH_EXPERTS.message)
         return self
+
+    def to_sizing_fields(self) -> dict[str, Any]:
+        """The explicit fields in snake_case, ready for ``kvfleet_runtime.kv.sizing.ModelArchitecture``
+        (empty for fromConfig and preset architectures)."""
+        fields = self.model_dump(exclude={"from_config", "preset"}, exclude_none=True, mode="json")
+        return fields if self.num_layers is not None else {}
 
 
 class ModelSpec(CrdModel):
