@@ -45,7 +45,7 @@ def test_parse_quantity(text: str | int, expected: int) -> None:
 
 @pytest.mark.parametrize("text", ["256GB", "-1Gi", "1e3", "Gi", "", "1 Gi", "500m", "1.2.3Gi", True])
 def test_parse_quantity_rejects(text: str) -> None:
-    with pytest.raises(ValueError, match="size|quantity"):
+    with pytest.raises(ValueError, match=r"size|quantity"):
         parse_quantity(text)
 
 
