@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# Build the pinned real Kubernetes control plane for tests and the demo into a cache outside the repo.
+#
+#   hack/build-cluster.sh            build whatever is missing or out of date (idempotent; warm run ~seconds)
+#   hack/build-cluster.sh --force    rebuild everything
+#
+# Output: $KVFLEET_CACHE/bin (default ~/.cache/kvfleet/bin): kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl, etcd, kwok, helm; $KVFLEET_CACHE/kwok-stages: kwok's stage configs copied from
+# its module; prometheus and promtool come from Debian's `prometheus` package (apt).
+#
+# Every Go binary is built through the Go module proxy from a small wrapper module under hack/cluster/.
+# The k8s.io/* staging modules that k8s.io/kubernetes replaces with ./staging paths are read from that
+# release's own go.mod and replaced by their published v0.X.Y tags in hack/cluster/kubernetes/go.mod.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}
+BIN=$CACHE/bin
+STAMPS=$CACHE/stamps
+JOBS=${KVFLEET_BUILD_JOBS:-2}
+
+# Pinned versions (newest served by the Go proxy that build with Go 1.26 when this was written).
+K8S_VERSION=v1.37.2
+ETCD_VERSION=v3.6.16
+KWOK_VERSION=v0.8.0
+HELM_VERSION=v3.22.0
+
+FORCE=0
+[ "${1:-}" = "--force" ] && FORCE=1
+
+mkdir -p "$BIN" "$STAMPS"
+export GOFLAGS="-buildvcs=false"
+
+log() { printf '[build-cluster %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# The fingerprint of one build: inputs that change the binary. A matching stamp + present binaries = skip.
+fingerprint() {
+  local dir=$1 ldflags=$2
+  { go version; echo "$ldflags"; cat "$dir"/go.mod "$dir"/go.sum; cat "$dir"/*.go 2>/dev/null || true; } |
+    sha256sum | cut -d' ' -f1
+}
+
+up_to_date() {
+  local name=$1 fp=$2; shift 2
+  [ "$FORCE" = 0 ] || return 1
+  [ -f "$STAMPS/$name" ] && [ "$(cat "$STAMPS/$name")" = "$fp" ] || return 1
+  local b
+  for b in "$@"; do [ -x "$BIN/$b" ] || return 1; done
+}
+
+# The VCS commit the proxy recorded for a module version (empty when it has none).
+module_commit() {
+  go mod download -json "$1" | jq -r '.Origin.Hash // ""'
+}
+
+module_dir() {
+  go mod download -json "$1" | jq -r '.Dir'
+}
+
+# go build several main packages of one wrapper module into $BIN.
+build_group() {
+  local name=$1 dir=$2 ldflags=$3; shift 3
+  local pkgs=("$@") bins=() p
+  for p in "${pkgs[@]}"; do bins+=("$(basename "$p")"); done
+  local fp
+  fp=$(fingerprint "$dir" "$ldflags")
+  if up_to_date "$name" "$fp" "${bins[@]}"; then
+    log "$name: up to date (${bins[*]})"
+    return
+  fi
+  log "$name: building ${bins[*]} (go build -p $JOBS; this is slow on a cold cache)"
+  local start=$SECONDS
+  (cd "$dir" && go build -p "$JOBS" -trimpath -ldflags "-s -w $ldflags" -o "$BIN/" "${pkgs[@]}")
+  echo "$fp" > "$STAMPS/$name"
+  log "$name: done in $((SECONDS - start)) s"
+}
+
+# Make hack/cluster/kubernetes/go.mod require k8s.io/kubernetes@$K8S_VERSION and replace every staging
+# module listed in that release's go.mod with its published tag. Runs `go mod tidy` only on change.
+sync_kubernetes_module() {
+  local dir=$ROOT/hack/cluster/kubernetes
+  local gomod staging_version
+  log "kubernetes: reading staging modules from k8s.io/kubernetes@$K8S_VERSION's go.mod"
+  gomod=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | jq -r '.GoMod')
+  # v1.37.2 -> v0.37.2: staging modules are tagged v0.<minor>.<patch> alongside each release.
+  staging_version="v0.${K8S_VERSION#v1.}"
+  mapfile -t staging < <(go mod edit -json "$gomod" |
+    jq -r '.Replace[] | select(.New.Path | startswith("./staging/")) | .Old.Path')
+  log "kubernetes: ${#staging[@]} staging modules -> $staging_version"
+  local before after args=()
+  before=$(cat "$dir/go.mod" 2>/dev/null || true)
+  [ -f "$dir/go.mod" ] || (cd "$dir" && go mod init kvfleet.dev/hack/cluster/kubernetes >/dev/null 2>&1)
+  args+=("-go=1.26.0" "-require=k8s.io/kubernetes@$K8S_VERSION")
+  local m
+  for m in "${staging[@]}"; do args+=("-replace=$m=$m@$staging_version"); done
+  for m in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+    args+=("-tool=k8s.io/kubernetes/cmd/$m")
+  done
+  (cd "$dir" && go mod edit "${args[@]}")
+  after=$(cat "$dir/go.mod")
+  if [ "$before" != "$after" ] || [ ! -f "$dir/go.sum" ]; then
+    log "kubernetes: go.mod changed; go mod tidy (downloads the dependency graph)"
+    (cd "$dir" && go mod tidy)
+  fi
+}
+
+# Same for a plain wrapper module: require one module at a version (+ optional tool packages), tidy on change.
+sync_module() {
+  local dir=$1 module=$2 version=$3; shift 3
+  local before after args=("-go=1.26.0" "-require=$module@$version") t
+  before=$(cat "$dir/go.mod" 2>/dev/null || true)
+  [ -f "$dir/go.mod" ] || (cd "$dir" && go mod init "kvfleet.dev/hack/cluster/$(basename "$dir")" >/dev/null 2>&1)
+  for t in "$@"; do args+=("-tool=$t"); done
+  (cd "$dir" && go mod edit "${args[@]}")
+  after=$(cat "$dir/go.mod")
+  if [ "$before" != "$after" ] || [ ! -f "$dir/go.sum" ]; then
+    log "$(basename "$dir"): go.mod changed; go mod tidy"
+    (cd "$dir" && go mod tidy)
+  fi
+}
+
+build_etcd() {
+  local dir=$ROOT/hack/cluster/etcd
+  sync_module "$dir" go.etcd.io/etcd/server/v3 "$ETCD_VERSION"
+  local commit
+  commit=$(module_commit "go.etcd.io/etcd/server/v3@$ETCD_VERSION")
+  # etcd reports its version from api/version.Version (a constant); GitSHA is the only ldflag it reads.
+  build_group etcd "$dir" "-X go.etcd.io/etcd/api/v3/version.GitSHA=${commit:0:7}" kvfleet.dev/hack/cluster/etcd
+}
+
+build_kubernetes() {
+  local dir=$ROOT/hack/cluster/kubernetes
+  sync_kubernetes_module
+  local commit minor info date ldflags="" pkg
+  commit=$(module_commit "k8s.io/kubernetes@$K8S_VERSION")
+  info=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION")
+  date=$(echo "$info" | jq -r '.Time')
+  minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+  # The same ldflags as kubernetes' hack/lib/version.sh (kube::version::ldflags).
+  for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags+=" -X $pkg.gitCommit=$commit -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
+  done
+  build_group kubernetes "$dir" "$ldflags" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+}
+
+build_kwok() {
+  local dir=$ROOT/hack/cluster/kwok
+  sync_module "$dir" sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
+  local src
+  src=$(module_dir "sigs.k8s.io/kwok@$KWOK_VERSION")
+  build_group kwok "$dir" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
+  # kwok needs stage configs (node/pod lifecycles) to do anything; they ship in its module.
+  rm -rf "$CACHE/kwok-stages" && mkdir -p "$CACHE/kwok-stages"
+  cp -r "$src/kustomize/stage/." "$CACHE/kwok-stages/"
+  chmod -R u+w "$CACHE/kwok-stages"
+  log "kwok: stage configs in $CACHE/kwok-stages ($(find "$CACHE/kwok-stages" -name '*.yaml' | wc -l) files)"
+}
+
+build_helm() {
+  local dir=$ROOT/hack/cluster/helm
+  sync_module "$dir" helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm
+  local commit kver kmaj kmin
+  commit=$(module_commit "helm.sh/helm/v3@$HELM_VERSION")
+  kver=$(cd "$dir" && go list -m -f '{{.Version}}' k8s.io/client-go)   # v0.37.0 -> k8s 1.37
+  kmaj=1; kmin=${kver#v0.}; kmin=${kmin%%.*}
+  # The same ldflags as helm's Makefile.
+  local ldflags="-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  ldflags+=" -X helm.sh/helm/v3/internal/version.metadata= -X helm.sh/helm/v3/internal/version.gitCommit=$commit"
+  ldflags+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+  ldflags+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=$kmaj -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$kmin"
+  ldflags+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=$kmaj -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kmin"
+  build_group helm "$dir" "$ldflags" helm.sh/helm/v3/cmd/helm
+}
+
+install_prometheus() {
+  if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
+    log "prometheus: installed ($(prometheus --version 2>&1 | head -1))"
+    return
+  fi
+  log "prometheus: apt-get install prometheus (Debian package)"
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  # Keep the package from starting a system service: tests start their own Prometheus on a free port.
+  local policy=/usr/sbin/policy-rc.d created=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod +x "$policy" && created=1
+  fi
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+  [ "$created" = 0 ] || $sudo rm -f "$policy"
+  if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus 2>/dev/null; then
+    $sudo systemctl stop prometheus && $sudo systemctl disable prometheus || true
+  fi
+  log "prometheus: $(prometheus --version 2>&1 | head -1)"
+}
+
+steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus"}
+total_start=$SECONDS
+for step in $steps; do
+  case $step in
+    etcd) build_etcd ;;
+    kubernetes) build_kubernetes ;;
+    kwok) build_kwok ;;
+    helm) build_helm ;;
+    prometheus) install_prometheus ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+  esac
+done
+log "all done in $((SECONDS - total_start)) s; binaries in $BIN"

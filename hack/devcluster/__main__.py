@@ -1,0 +1,111 @@
+"""``python -m devcluster up|down|status|env`` (run with ``hack`` on ``PYTHONPATH``).
+
+``up [--tier api|full]`` starts a control plane whose processes outlive the command and records it in
+``$KVFLEET_CACHE/devcluster/state.json``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
+(``eval "$(python -m devcluster env)"``); ``status`` says what runs; ``down`` kills every process group
+and removes the cluster's folder. Exit codes: 0 success, 1 failure, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .binaries import BUILD_COMMAND, bin_dir, cache_dir, missing_binaries
+from .binaries import FULL_TIER_BINARIES as FULL
+from .cluster import ControlPlane, start_control_plane
+
+
+def _state_file() -> Path:
+    return cache_dir() / "devcluster" / "state.json"
+
+
+def _load() -> ControlPlane | None:
+    path = _state_file()
+    if not path.is_file():
+        return None
+    return ControlPlane.from_state(json.loads(path.read_text()))
+
+
+def _up(args: argparse.Namespace) -> int:
+    existing = _load()
+    if existing is not None and existing.alive():
+        print(f"already running ({existing.tier}): {existing.server}; kubeconfig {existing.kubeconfig}")
+        return 0
+    if existing is not None:
+        existing.stop()
+    missing = missing_binaries(FULL if args.tier == "full" else FULL[:2])
+    if missing:
+        print(f"missing binaries: {', '.join(missing)}; build them with {BUILD_COMMAND}", file=sys.stderr)
+        return 1
+    state_dir = _state_file().parent
+    state_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="cluster-", dir=state_dir))
+    plane = start_control_plane(args.tier, workdir=workdir, timeout=args.timeout)
+    # Processes run in their own sessions; drop the Popen handles so nothing waits on them at exit.
+    for proc in plane.processes:
+        proc.popen = None
+    _state_file().write_text(json.dumps(plane.to_state(), indent=2))
+    timings = ", ".join(f"{k} {v:.1f} s" for k, v in plane.started_in.items())
+    print(f"up ({plane.tier}; {timings}): {plane.server}")
+    print(f"kubeconfig: {plane.kubeconfig}")
+    print('eval "$(PYTHONPATH=hack .venv/bin/python -m devcluster env)" to use kubectl and helm')
+    return 0
+
+
+def _down(_: argparse.Namespace) -> int:
+    plane = _load()
+    if plane is None:
+        print("not running")
+        return 0
+    plane.stop()
+    _state_file().unlink(missing_ok=True)
+    print("stopped")
+    return 0
+
+
+def _status(_: argparse.Namespace) -> int:
+    plane = _load()
+    if plane is None:
+        print("not running")
+        return 1
+    for proc in plane.processes:
+        print(f"{proc.name:26} pid {proc.pid:7} {'running' if proc.alive() else 'DEAD'}  log {proc.log_path}")
+    ready = plane.is_ready()
+    print(f"tier {plane.tier}; {plane.server} {'ready' if ready else 'NOT ready'}")
+    print(f"kubeconfig {plane.kubeconfig}")
+    return 0 if ready and plane.alive() else 1
+
+
+def _env(_: argparse.Namespace) -> int:
+    plane = _load()
+    if plane is None:
+        print("not running", file=sys.stderr)
+        return 1
+    print(f"export KUBECONFIG={shlex.quote(str(plane.kubeconfig))}")
+    print(f'export PATH={shlex.quote(str(bin_dir()))}:"$PATH"')
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devcluster", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a control plane (detached)")
+    up.add_argument("--tier", choices=["api", "full"], default="full")
+    up.add_argument("--timeout", type=float, default=float(os.environ.get("KVFLEET_CLUSTER_TIMEOUT", "180")))
+    up.set_defaults(func=_up)
+    sub.add_parser("down", help="stop it and remove its folder").set_defaults(func=_down)
+    sub.add_parser("status", help="what runs (exit 1 when not ready)").set_defaults(func=_status)
+    sub.add_parser("env", help="shell exports for kubectl/helm").set_defaults(func=_env)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

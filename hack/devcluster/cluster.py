@@ -1,0 +1,466 @@
+"""Start and stop a real local Kubernetes control plane on 127.0.0.1.
+
+Two tiers:
+
+* ``api``: etcd + kube-apiserver (RBAC, PodSecurity and the usual admission plugins, client-certificate
+  auth, service-account token signing). Enough for CRDs, CEL validation, server-side apply and RBAC.
+* ``full``: ``api`` plus kube-controller-manager (garbage collector, Deployments, ReplicaSets,
+  namespaces, service accounts and their tokens, ...), kube-scheduler and kwok keeping the fake GPU
+  nodes of a :class:`~devcluster.layout.NodeLayout` Ready and their pods Running.
+
+Every component listens on a free loopback port; everything lives in one temporary folder (PKI, etcd
+data, logs, the admin kubeconfig) that :meth:`ControlPlane.stop` removes after killing every process
+group it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import ssl
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from . import binaries
+from .layout import (
+    DEFAULT_LAYOUT,
+    KWOK_NODE_ANNOTATION,
+    KWOK_NODE_ANNOTATION_VALUE,
+    NodeLayout,
+    build_node_manifest,
+)
+from .pki import Pki, build_pki
+from .processes import ManagedProcess, find_free_port, start_process, wait_until
+
+Tier = Literal["api", "full"]
+
+#: Admission plugins on top of the defaults that matter for an operator: PodSecurity labels on
+#: namespaces, NodeRestriction with the Node authorizer, quota and limit ranges.
+ADMISSION_PLUGINS = (
+    "NamespaceLifecycle",
+    "LimitRanger",
+    "ServiceAccount",
+    "NodeRestriction",
+    "PodSecurity",
+    "Priority",
+    "DefaultTolerationSeconds",
+    "DefaultStorageClass",
+    "MutatingAdmissionWebhook",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionWebhook",
+    "ResourceQuota",
+)
+
+#: Controllers kube-controller-manager runs. No node-lifecycle controller: kwok's heartbeats keep the fake
+#: nodes Ready, and a slow heartbeat on a loaded 2-core machine must not taint and evict them.
+CONTROLLERS = (
+    "garbagecollector",
+    "deployment",
+    "replicaset",
+    "statefulset",
+    "daemonset",
+    "job",
+    "cronjob",
+    "namespace",
+    "serviceaccount",
+    "serviceaccount-token",
+    "root-ca-cert-publisher",
+    "clusterrole-aggregation",
+    "endpoint",
+    "endpointslice",
+    "endpointslicemirroring",
+    "podgc",
+    "resourcequota",
+    "disruption",
+    "ttl-after-finished",
+    "pv-protection",
+    "pvc-protection",
+)
+
+SERVICE_CIDR = "10.0.0.0/24"
+POD_CIDR = "10.244.0.0/16"
+
+
+@dataclass
+class ControlPlane:
+    """A running control plane: where to reach it and what runs.
+
+    ``kubeconfig`` is an admin kubeconfig (client certificate in ``system:masters``, everything
+    embedded); ``server`` the API server's ``https://127.0.0.1:<port>``; ``layout`` the fake nodes (only
+    present in the ``full`` tier).
+    """
+
+    workdir: Path
+    tier: Tier
+    kubeconfig: Path
+    server: str
+    etcd_url: str
+    pki: Pki
+    layout: NodeLayout = DEFAULT_LAYOUT
+    processes: list[ManagedProcess] = field(default_factory=list)
+    started_in: dict[str, float] = field(default_factory=dict)
+
+    # --- clients --------------------------------------------------------------------------------------
+
+    def api_client(self) -> Any:
+        """A new admin ``kubernetes.client.ApiClient`` for this cluster (the caller closes it)."""
+        from kubernetes import config  # noqa: PLC0415 - only callers that want the client need it
+
+        new_client: Any = config.new_client_from_config  # untyped library
+        return new_client(config_file=str(self.kubeconfig))
+
+    def env(self) -> dict[str, str]:
+        """Environment for kubectl/helm subprocesses: ``KUBECONFIG`` and the binary cache on ``PATH``."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{binaries.bin_dir()}{os.pathsep}{os.environ.get('PATH', '')}",
+            "HELM_CACHE_HOME": str(self.workdir / "helm" / "cache"),
+            "HELM_CONFIG_HOME": str(self.workdir / "helm" / "config"),
+            "HELM_DATA_HOME": str(self.workdir / "helm" / "data"),
+        }
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 10.0,
+        content_type: str = "application/json",
+    ) -> tuple[int, Any]:
+        """One admin API call (JSON in, JSON out); returns ``(status, decoded body)`` for any status.
+
+        ``content_type`` selects the patch flavour for PATCH (``application/apply-patch+yaml`` for
+        server-side apply, ``application/merge-patch+json``, ...); the body is always sent as JSON.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.server + path, data=data, method=method, headers={"Content-Type": content_type}
+        )
+        try:
+            with urllib.request.urlopen(req, context=self._ssl_context(), timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, raw = err.code, err.read()
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+        ctx.load_cert_chain(str(self.pki.admin_cert), str(self.pki.admin_key))
+        return ctx
+
+    # --- readiness ------------------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        try:
+            status, _ = self.request("GET", "/readyz", timeout=2)
+        except OSError:
+            return False
+        return status == 200
+
+    def nodes_ready(self) -> bool:
+        """Every node of the layout exists and reports ``Ready=True``."""
+        try:
+            status, body = self.request("GET", "/api/v1/nodes")
+        except OSError:
+            return False
+        if status != 200:
+            return False
+        ready = {
+            item["metadata"]["name"]
+            for item in body.get("items", [])
+            for cond in item.get("status", {}).get("conditions", [])
+            if cond.get("type") == "Ready" and cond.get("status") == "True"
+        }
+        return set(self.layout.node_names) <= ready
+
+    def default_service_account_exists(self) -> bool:
+        try:
+            status, _ = self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+        except OSError:
+            return False
+        return status == 200
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    def stop(self, remove_workdir: bool = True) -> None:
+        """Kill every started process group (last started first) and remove the work folder."""
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+        if remove_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def alive(self) -> bool:
+        return bool(self.processes) and all(p.alive() for p in self.processes)
+
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-able description, enough for another process to reach and stop this cluster."""
+        return {
+            "workdir": str(self.workdir),
+            "tier": self.tier,
+            "kubeconfig": str(self.kubeconfig),
+            "server": self.server,
+            "etcd_url": self.etcd_url,
+            "processes": [
+                {"name": p.name, "pid": p.pid, "argv": p.argv, "log": str(p.log_path)} for p in self.processes
+            ],
+            "started_in": self.started_in,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ControlPlane:
+        workdir = Path(state["workdir"])
+        return cls(
+            workdir=workdir,
+            tier=state["tier"],
+            kubeconfig=Path(state["kubeconfig"]),
+            server=state["server"],
+            etcd_url=state["etcd_url"],
+            pki=_pki_paths(workdir / "pki"),
+            processes=[
+                ManagedProcess(name=p["name"], pid=p["pid"], argv=p["argv"], log_path=Path(p["log"]))
+                for p in state["processes"]
+            ],
+            started_in=dict(state.get("started_in", {})),
+        )
+
+
+def _pki_paths(directory: Path) -> Pki:
+    return Pki(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        server_cert=directory / "apiserver.crt",
+        server_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_key=directory / "sa.key",
+        sa_pub=directory / "sa.pub",
+    )
+
+
+def build_kubeconfig(server: str, pki: Pki, name: str = "kvfleet-dev") -> dict[str, Any]:
+    """An admin kubeconfig with the CA and the client certificate embedded (self-contained)."""
+    import base64  # noqa: PLC0415
+
+    def b64(path: Path) -> str:
+        return base64.b64encode(path.read_bytes()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": name, "cluster": {"server": server, "certificate-authority-data": b64(pki.ca_cert)}}
+        ],
+        "users": [
+            {
+                "name": f"{name}-admin",
+                "user": {
+                    "client-certificate-data": b64(pki.admin_cert),
+                    "client-key-data": b64(pki.admin_key),
+                },
+            }
+        ],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": f"{name}-admin"}}],
+        "current-context": name,
+    }
+
+
+def build_etcd_args(etcd: Path, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
+    client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    return [
+        str(etcd),
+        "--name=default",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=default={peer}",
+        # Throw-away data: skipping fsync makes a test cluster several times faster (as envtest does).
+        "--unsafe-no-fsync=true",
+        "--log-level=warn",
+    ]
+
+
+def build_apiserver_args(apiserver: Path, pki: Pki, etcd_url: str, port: int, cert_dir: Path) -> list[str]:
+    return [
+        str(apiserver),
+        f"--etcd-servers={etcd_url}",
+        "--bind-address=127.0.0.1",
+        "--advertise-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--cert-dir={cert_dir}",
+        f"--tls-cert-file={pki.server_cert}",
+        f"--tls-private-key-file={pki.server_key}",
+        f"--client-ca-file={pki.ca_cert}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki.sa_pub}",
+        f"--service-account-signing-key-file={pki.sa_key}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--authorization-mode=Node,RBAC",
+        f"--enable-admission-plugins={','.join(ADMISSION_PLUGINS)}",
+        "--allow-privileged=true",
+        "--profiling=false",
+        "--v=1",
+    ]
+
+
+def build_controller_manager_args(kcm: Path, pki: Pki, kubeconfig: Path, port: int) -> list[str]:
+    return [
+        str(kcm),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--controllers={','.join(CONTROLLERS)}",
+        f"--service-account-private-key-file={pki.sa_key}",
+        f"--root-ca-file={pki.ca_cert}",
+        # Each controller acts as its own service account, so RBAC applies to it as in a real cluster.
+        "--use-service-account-credentials=true",
+        "--leader-elect=false",
+        f"--cluster-cidr={POD_CIDR}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--v=1",
+    ]
+
+
+def build_scheduler_args(scheduler: Path, kubeconfig: Path, port: int) -> list[str]:
+    return [
+        str(scheduler),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        "--leader-elect=false",
+        "--v=1",
+    ]
+
+
+def build_kwok_args(kwok: Path, kubeconfig: Path, port: int, stages: list[Path]) -> list[str]:
+    return [
+        str(kwok),
+        f"--kubeconfig={kubeconfig}",
+        # Manage only the nodes we create (annotated), never a real node that might join.
+        "--manage-all-nodes=false",
+        f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_ANNOTATION_VALUE}",
+        f"--server-address=127.0.0.1:{port}",
+        f"--cidr={POD_CIDR.replace('.0/16', '.1/16')}",
+        "--node-ip=127.0.0.1",
+        *[f"--config={stage}" for stage in stages],
+    ]
+
+
+def _https_ok(port: int, path: str = "/healthz") -> bool:
+    # The controller manager and scheduler serve self-signed certificates and allow /healthz anonymously.
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", context=ctx, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def start_control_plane(
+    tier: Tier = "api",
+    *,
+    layout: NodeLayout = DEFAULT_LAYOUT,
+    workdir: Path | None = None,
+    timeout: float = 120.0,
+) -> ControlPlane:
+    """Start a ``tier`` control plane and wait until it is ready; stop everything if that fails.
+
+    Ready means: ``/readyz`` of the API server answers 200 (``api``); additionally the controller manager
+    and scheduler are healthy, every layout node is Ready and the ``default`` service account exists
+    (``full``). Raises ``FileNotFoundError`` when a binary is missing (see ``hack/build-cluster.sh``).
+    """
+    names = binaries.API_TIER_BINARIES if tier == "api" else binaries.FULL_TIER_BINARIES
+    paths = {name: binaries.require_binary(name) for name in names}
+    root = workdir or Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
+    started = time.monotonic()
+    pki = build_pki(root / "pki")
+    etcd_port, peer_port, api_port = find_free_port(), find_free_port(), find_free_port()
+    plane = ControlPlane(
+        workdir=root,
+        tier="api",
+        kubeconfig=root / "kubeconfig",
+        server=f"https://127.0.0.1:{api_port}",
+        etcd_url=f"http://127.0.0.1:{etcd_port}",
+        pki=pki,
+        layout=layout,
+    )
+    plane.kubeconfig.write_text(yaml.safe_dump(build_kubeconfig(plane.server, pki), sort_keys=False))
+    plane.kubeconfig.chmod(0o600)
+    logs = root / "logs"
+    try:
+        etcd_args = build_etcd_args(paths["etcd"], root / "etcd", etcd_port, peer_port)
+        etcd = start_process("etcd", etcd_args, logs)
+        plane.processes.append(etcd)
+        apiserver = start_process(
+            "kube-apiserver",
+            build_apiserver_args(paths["kube-apiserver"], pki, plane.etcd_url, api_port, root / "apiserver"),
+            logs,
+        )
+        plane.processes.append(apiserver)
+        wait_until(plane.is_ready, timeout=timeout, what="kube-apiserver /readyz", watch=plane.processes)
+        plane.started_in["api"] = time.monotonic() - started
+        if tier == "full":
+            extend_to_full(plane, timeout=timeout)
+    except BaseException:
+        plane.stop()
+        raise
+    return plane
+
+
+def extend_to_full(plane: ControlPlane, *, timeout: float = 120.0) -> None:
+    """Add controller manager, scheduler, kwok and the layout's nodes to a running ``api`` plane."""
+    if plane.tier == "full":
+        return
+    paths = {name: binaries.require_binary(name) for name in binaries.FULL_TIER_BINARIES}
+    started = time.monotonic()
+    logs = plane.workdir / "logs"
+    kcm_port, sched_port, kwok_port = find_free_port(), find_free_port(), find_free_port()
+    kcm_args = build_controller_manager_args(
+        paths["kube-controller-manager"], plane.pki, plane.kubeconfig, kcm_port
+    )
+    kcm = start_process("kube-controller-manager", kcm_args, logs)
+    plane.processes.append(kcm)
+    scheduler = start_process(
+        "kube-scheduler", build_scheduler_args(paths["kube-scheduler"], plane.kubeconfig, sched_port), logs
+    )
+    plane.processes.append(scheduler)
+    stages = binaries.kwok_stage_files()
+    if not stages:
+        where = binaries.kwok_stage_dir()
+        raise FileNotFoundError(f"no kwok stage configs in {where}; run {binaries.BUILD_COMMAND}")
+    kwok = start_process("kwok", build_kwok_args(paths["kwok"], plane.kubeconfig, kwok_port, stages), logs)
+    plane.processes.append(kwok)
+    for node in plane.layout.nodes:
+        status, body = plane.request("POST", "/api/v1/nodes", build_node_manifest(node))
+        if status not in (201, 409):
+            raise RuntimeError(f"creating node {node.name} failed ({status}): {body}")
+    checks = (
+        (lambda: _https_ok(kcm_port), "kube-controller-manager /healthz"),
+        (lambda: _https_ok(sched_port), "kube-scheduler /healthz"),
+        (plane.nodes_ready, "fake nodes Ready"),
+        (plane.default_service_account_exists, "the default service account"),
+    )
+    for check, what in checks:
+        wait_until(check, timeout=timeout, what=what, watch=plane.processes)
+    plane.tier = "full"
+    plane.started_in["full"] = time.monotonic() - started

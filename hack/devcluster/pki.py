@@ -1,0 +1,95 @@
+"""Throw-away PKI for one local control plane, made with the ``openssl`` command line.
+
+One CA signs the API server's serving certificate (SANs: 127.0.0.1, localhost and the in-cluster
+service names) and the admin client certificate (``O=system:masters``); an EC key pair signs service
+account tokens. Everything is written under the given folder and removed with it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+@dataclass(frozen=True)
+class Pki:
+    """Paths of the files :func:`build_pki` wrote."""
+
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    admin_cert: Path
+    admin_key: Path
+    sa_key: Path
+    sa_pub: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _sign(
+    name: str, subject: str, extensions: str, days: int, directory: Path, ca_cert: Path, ca_key: Path
+) -> None:
+    _openssl("req", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=directory)
+    (directory / f"{name}.ext").write_text(extensions)
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", str(ca_cert), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-days", str(days), "-out", f"{name}.crt", "-extfile", f"{name}.ext",
+        cwd=directory,
+    )  # fmt: skip
+
+
+def build_pki(directory: Path, days: int = 7) -> Pki:
+    """Create a CA, a serving and an admin client certificate and a service-account key pair."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", *_EC, "-keyout", "ca.key", "-out", "ca.crt", "-days", str(days),
+        "-subj", "/CN=kvfleet-dev-ca", cwd=directory,
+    )  # fmt: skip
+    ca_cert, ca_key = directory / "ca.crt", directory / "ca.key"
+    sans = ",".join(
+        [
+            "IP:127.0.0.1",
+            "IP:10.0.0.1",
+            "DNS:localhost",
+            "DNS:kubernetes",
+            "DNS:kubernetes.default",
+            "DNS:kubernetes.default.svc",
+            "DNS:kubernetes.default.svc.cluster.local",
+        ]
+    )
+    _sign(
+        "apiserver",
+        "/CN=kube-apiserver",
+        f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+        days,
+        directory,
+        ca_cert,
+        ca_key,
+    )
+    _sign(
+        "admin",
+        "/O=system:masters/CN=kvfleet-admin",
+        "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+        days,
+        directory,
+        ca_cert,
+        ca_key,
+    )
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=directory)
+    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=directory)
+    return Pki(
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        server_cert=directory / "apiserver.crt",
+        server_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_key=directory / "sa.key",
+        sa_pub=directory / "sa.pub",
+    )
