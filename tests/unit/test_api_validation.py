@@ -8,6 +8,7 @@ schema/CEL classification is checked, not just asserted).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD_FILES = {"ModelDeployment": "kvfleet.io_modeldeployments.yaml", "Tenant": "kvfleet.io_tenants.yaml"}
 
 
+@functools.cache
 def _schema(kind: str) -> dict[str, Any]:
     crd = yaml.safe_load((ROOT / "crds" / CRD_FILES[kind]).read_text())
     schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -41,10 +42,12 @@ FORBIDDEN_KEYWORDS = {
 }
 
 
+@functools.cache
 def _crd_files() -> dict[str, dict[str, Any]]:
     return {path.name: yaml.safe_load(path.read_text()) for path in sorted(CRD_DIR.glob("*.yaml"))}
 
 
+@functools.cache
 def _schema_of(kind: str) -> dict[str, Any]:
     for crd in _crd_files().values():
         if crd["spec"]["names"]["kind"] == kind:

@@ -10,6 +10,7 @@ here with the library's semantics. The real kube-apiserver replays the same tabl
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ def _replace(
     return celtypes.StringType(str(text).replace(str(old), str(new)))
 
 
+@functools.cache
 def _schema(kind: str) -> dict[str, Any]:
     crd = yaml.safe_load((ROOT / "crds" / CRD_FILES[kind]).read_text())
     schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
