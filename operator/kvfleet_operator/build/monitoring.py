@@ -1,0 +1,56 @@
+"""Prometheus Operator objects, built only when the cluster serves monitoring.coreos.com/v1. Pure."""
+
+from __future__ import annotations
+
+from kvfleet_operator.build.common import (
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    Obj,
+    Owner,
+    gateway_name,
+    metadata,
+    object_labels,
+    selector_labels,
+)
+from kvfleet_operator.build.gateway import GatewayWorkload
+
+
+def build_gateway_service_monitor(g: GatewayWorkload) -> Obj:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": metadata(
+            gateway_name(g.model_deployment),
+            g.namespace,
+            object_labels(g.model_deployment, "gateway"),
+            g.owner,
+        ),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(g.model_deployment, "gateway")},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def build_engine_pod_monitor(namespace: str, model_deployment: str, owner: Owner) -> Obj:
+    """All engine pods of the ModelDeployment (shared and dedicated pools): vLLM, plugin and sync metrics."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": metadata(
+            f"{model_deployment}-engines", namespace, object_labels(model_deployment, "engine"), owner
+        ),
+        "spec": {
+            "selector": {
+                "matchLabels": {
+                    LABEL_NAME: "kvfleet",
+                    LABEL_INSTANCE: model_deployment,
+                    "app.kubernetes.io/component": "engine",
+                }
+            },
+            "podMetricsEndpoints": [
+                {"port": port, "path": "/metrics", "interval": "15s"}
+                for port in ("http", "kv-metrics", "sync-metrics")
+            ],
+        },
+    }
