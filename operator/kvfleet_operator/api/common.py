@@ -39,11 +39,15 @@ class CelRule:
     message: str
     field_path: str | None = None
     transition: bool = False
+    #: Kubernetes error type: FieldValueInvalid (the default), FieldValueRequired, FieldValueForbidden.
+    reason: str | None = None
 
     def to_schema(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"rule": self.rule, "message": self.message}
         if self.field_path is not None:
             entry["fieldPath"] = self.field_path
+        if self.reason is not None:
+            entry["reason"] = self.reason
         return entry
 
 

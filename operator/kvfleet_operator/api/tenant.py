@@ -98,11 +98,13 @@ RULE_DEDICATED_REQUIRED = CelRule(
     rule="self.isolation != 'dedicated' || has(self.dedicated)",
     message="spec.dedicated (gpuGroup, replicas) is required when spec.isolation is dedicated",
     field_path=".dedicated",
+    reason="FieldValueRequired",
 )
 RULE_DEDICATED_FORBIDDEN = CelRule(
     rule="self.isolation == 'dedicated' || !has(self.dedicated)",
     message="spec.dedicated is only for isolation: dedicated; remove it or change spec.isolation",
     field_path=".dedicated",
+    reason="FieldValueForbidden",
 )
 RULE_BURST_COVERS_QUOTA = CelRule(
     rule="!has(self.kvQuota) || !has(self.kvQuota.hbm) || type(self.kvQuota.hbm) != string || "
