@@ -151,11 +151,13 @@ build_kwok() {
   sync_module "$dir" sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
   local src
   src=$(module_dir "sigs.k8s.io/kwok@$KWOK_VERSION")
-  build_group kwok "$dir" "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
-  # kwok needs stage configs (node/pod lifecycles) to do anything; they ship in its module.
+  # kwok's release builds stamp the version without the leading v.
+  build_group kwok "$dir" "-X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" sigs.k8s.io/kwok/cmd/kwok
+  # kwok needs stage configs (node/pod lifecycles) to do anything; they ship in its module
+  # (kustomize/stage/<kind>/<profile>/*.yaml). Copy the YAMLs, not the module's Go files and test data.
   rm -rf "$CACHE/kwok-stages" && mkdir -p "$CACHE/kwok-stages"
-  cp -r "$src/kustomize/stage/." "$CACHE/kwok-stages/"
-  chmod -R u+w "$CACHE/kwok-stages"
+  (cd "$src/kustomize/stage" && find . -name '*.yaml' -not -path '*/testdata/*' -not -name kustomization.yaml) |
+    while read -r f; do install -D -m 0644 "$src/kustomize/stage/$f" "$CACHE/kwok-stages/$f"; done
   log "kwok: stage configs in $CACHE/kwok-stages ($(find "$CACHE/kwok-stages" -name '*.yaml' | wc -l) files)"
 }
 

@@ -1,9 +1,10 @@
-"""``python -m devcluster up|down|status|env`` (run with ``hack`` on ``PYTHONPATH``).
+"""``python -m devcluster up|down|status|env|bench`` (run with ``hack`` on ``PYTHONPATH``).
 
 ``up [--tier api|full]`` starts a control plane whose processes outlive the command and records it in
 ``$KVFLEET_CACHE/devcluster/state.json``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
 (``eval "$(python -m devcluster env)"``); ``status`` says what runs; ``down`` kills every process group
-and removes the cluster's folder. Exit codes: 0 success, 1 failure, 2 bad usage.
+and removes the cluster's folder; ``bench`` times repeated starts.
+Exit codes: 0 success, 1 failure, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -93,6 +96,23 @@ def _env(_: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """Start and stop a ``--tier`` plane ``--runs`` times; print each time to ready and the median."""
+    seconds = []
+    for run in range(1, args.runs + 1):
+        started = time.monotonic()
+        plane = start_control_plane(args.tier, timeout=args.timeout)
+        elapsed = time.monotonic() - started
+        plane.stop()
+        seconds.append(elapsed)
+        print(f"run {run}: {args.tier} tier ready in {elapsed:.2f} s")
+    print(
+        f"{args.tier} tier start, {args.runs} runs: median {statistics.median(seconds):.2f} s "
+        f"(min {min(seconds):.2f}, max {max(seconds):.2f})"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devcluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("down", help="stop it and remove its folder").set_defaults(func=_down)
     sub.add_parser("status", help="what runs (exit 1 when not ready)").set_defaults(func=_status)
     sub.add_parser("env", help="shell exports for kubectl/helm").set_defaults(func=_env)
+    bench = sub.add_parser("bench", help="time --runs starts of a --tier plane (median)")
+    bench.add_argument("--tier", choices=["api", "full"], default="api")
+    bench.add_argument("--runs", type=int, default=5)
+    bench.add_argument("--timeout", type=float, default=180.0)
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
