@@ -467,10 +467,17 @@ class Gateway:
             return connected, "unavailable"
         upstream, replica = connected
         usage = _UsageTracker()
+        started: list[web.StreamResponse] = []
         try:
             if parsed.stream and upstream.status == 200:
                 response, outcome = await self._relay_stream(
-                    request, upstream=upstream, parsed=parsed, usage=usage, labels=labels, arrived=arrived
+                    request,
+                    upstream=upstream,
+                    parsed=parsed,
+                    usage=usage,
+                    labels=labels,
+                    arrived=arrived,
+                    started=started,
                 )
             else:
                 response, outcome = await self._relay_buffered(upstream, usage, tenant.pool.name)
@@ -492,8 +499,8 @@ class Gateway:
                 tenant.pool.name,
                 type(exc).__name__,
             )
-            if parsed.stream and request.get("kvfleet_stream_started"):
-                return request["kvfleet_stream_started"], "upstream_error"
+            if started:  # headers already went out: end the stream where it broke
+                return started[0], "upstream_error"
             return error_response(
                 502, "the engine connection failed during the answer", "upstream_error", "upstream_failed"
             ), "upstream_error"
@@ -533,6 +540,7 @@ class Gateway:
         usage: _UsageTracker,
         labels: tuple[str, str, str],
         arrived: float,
+        started: list[web.StreamResponse],
     ) -> tuple[web.StreamResponse, str]:
         out = web.StreamResponse(
             status=200,
@@ -542,7 +550,7 @@ class Gateway:
             },
         )
         await out.prepare(request)
-        request["kvfleet_stream_started"] = out
+        started.append(out)
         ttft = self.metrics.ttft.labels(*labels)
         itl = self.metrics.itl.labels(*labels)
         last: float | None = None
@@ -636,23 +644,34 @@ def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) 
     return app
 
 
-async def serve(settings: GatewaySettings, host: str, port: int, ready: asyncio.Event | None = None) -> None:
-    """Run the gateway until cancelled."""
-    app = build_app(settings)
+@contextlib.asynccontextmanager
+async def running_gateway(
+    settings: GatewaySettings,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics: GatewayMetrics | None = None,
+) -> AsyncIterator[tuple[str, Gateway]]:
+    """Start the gateway on ``host:port`` (0: a free port); yield its base URL and state; stop it."""
+    app = build_app(settings, metrics)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
-    await site.start()
-    log.info("kvfleet gateway listening on %s:%d", host, port)
+    try:
+        site = web.TCPSite(runner, host, port, backlog=2048)
+        await site.start()
+        bound = runner.addresses[0]
+        yield f"http://{host}:{bound[1]}", app[GATEWAY_KEY]
+    finally:
+        await runner.cleanup()
+
+
+async def serve(settings: GatewaySettings, host: str, port: int) -> None:
+    """Run the gateway until SIGTERM/SIGINT, then drain in-flight requests and stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
-    try:
+    async with running_gateway(settings, host, port) as (url, _gateway):
+        log.info("kvfleet gateway listening on %s", url)
         await stop.wait()
         log.info("shutting down: draining in-flight requests")
-    finally:
-        await runner.cleanup()

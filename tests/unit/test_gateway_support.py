@@ -1,0 +1,244 @@
+"""Support for the gateway tests: an OpenAI-shaped upstream and tenant-table builders (no tests here).
+
+``FakeEngine`` is a test double for the *HTTP shape* of vLLM's OpenAI server only (routes, JSON and SSE
+framing, ``usage``, ``/health``); the gateway's behaviour against the real vLLM is tested in
+tests/engine/test_gateway_vllm.py. It records what reached it, so tests can check what the gateway
+rewrote, and counts handlers cancelled by a client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvfleet_runtime.config import (
+    TIER_PRIORITY,
+    Isolation,
+    KeyFile,
+    KVQuota,
+    PoolEntry,
+    RateLimits,
+    SlaTier,
+    TenantEntry,
+    TenantTable,
+    dump_json,
+    hash_api_key,
+)
+
+MODEL = "tiny-llama"
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    at: float
+
+
+@dataclass
+class FakeEngine:
+    """An OpenAI-compatible upstream answering a canned completion."""
+
+    reply: str = "hello from the engine"
+    delay_s: float = 0.0
+    stream_chunks: int = 3
+    chunk_interval_s: float = 0.0
+    healthy: bool = True
+    status: int = 200
+    received: list[Received] = field(default_factory=list)
+    cancelled: int = 0
+    finished: int = 0
+    _seen_prefixes: set[tuple[str, str]] = field(default_factory=set)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def _usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = json.dumps(body.get("messages") or body.get("prompt"))
+        prompt_tokens = max(1, len(prompt) // 4)
+        key = (str(body.get("cache_salt")), prompt)
+        cached = prompt_tokens if key in self._seen_prefixes else 0
+        self._seen_prefixes.add(key)
+        completion_tokens = len(self.reply.split())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if self.healthy else 503)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, dict(request.headers), body, time.monotonic()))
+        chat = request.path.endswith("/chat/completions")
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.status != 200:
+                return web.json_response(
+                    {"error": {"message": "engine failure", "type": "server_error", "code": self.status}},
+                    status=self.status,
+                )
+            usage = self._usage(body)
+            rid = request.headers.get("X-Request-Id", "x")
+            if body.get("stream"):
+                return await self._stream(request, body, usage, rid, chat)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": self.reply}
+            else:
+                choice["text"] = self.reply
+            answer = {
+                "id": ("chatcmpl-" if chat else "cmpl-") + rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [choice],
+                "usage": usage,
+            }
+            self.finished += 1
+            return web.json_response(answer)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], usage: dict[str, Any], rid: str, chat: bool
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        words = self.reply.split()
+        per = max(1, len(words) // max(1, self.stream_chunks))
+        pieces = [" ".join(words[i : i + per]) for i in range(0, len(words), per)] or [""]
+        base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": 0, "model": body.get("model")}
+        for i, piece in enumerate(pieces):
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+            else:
+                choice = {"index": 0, "text": piece, "finish_reason": None}
+            if i == len(pieces) - 1:
+                choice["finish_reason"] = "stop"
+            chunk = {
+                **base,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "choices": [choice],
+            }
+            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if self.chunk_interval_s:
+                await asyncio.sleep(self.chunk_interval_s)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk = {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        self.finished += 1
+        return out
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/completions", self._generate)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@contextlib.asynccontextmanager
+async def fake_engines(n: int, **kwargs: Any) -> AsyncIterator[list[FakeEngine]]:
+    engines = [FakeEngine(**kwargs) for _ in range(n)]
+    for e in engines:
+        await e.start()
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+def free_closed_port_url() -> str:
+    """A URL on a local port nothing listens on (connect is refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class TenantSpec:
+    name: str
+    tier: SlaTier = SlaTier.STANDARD
+    isolation: Isolation = Isolation.SALTED
+    pool: str = "shared"
+    models: tuple[str, ...] = (MODEL,)
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    hbm_burst_blocks: int = 0
+    keys: int = 1
+
+
+def build_table(tenants: list[TenantSpec], pools: dict[str, list[str]], block_size: int = 16) -> TenantTable:
+    entries = {}
+    for t in tenants:
+        salt_id = "pool-shared" if t.isolation is Isolation.SHARED else f"tenant-{t.name}"
+        entries[t.name] = TenantEntry(
+            name=t.name,
+            tier=t.tier,
+            priority=TIER_PRIORITY[t.tier],
+            isolation=t.isolation,
+            salt_id=salt_id,
+            pool=t.pool,
+            models=list(t.models),
+            quota=KVQuota(hbm_blocks=0, hbm_burst_blocks=t.hbm_burst_blocks),
+            rate_limits=t.rate_limits,
+        )
+    return TenantTable(
+        model_deployment="md",
+        served_model_name=MODEL,
+        pool_salt_id="pool-shared",
+        pools={
+            name: PoolEntry(name=name, endpoints=urls, block_size=block_size, hbm_blocks_per_replica=1000)
+            for name, urls in pools.items()
+        },
+        tenants=entries,
+    )
+
+
+def build_keys(
+    tenants: list[TenantSpec], salt_key_hex: str | None = None
+) -> tuple[KeyFile, dict[str, list[str]]]:
+    """A key file and the plaintext keys per tenant (for the test client only)."""
+    plain = {t.name: [f"sk-{t.name}-{secrets.token_hex(16)}" for _ in range(t.keys)] for t in tenants}
+    keyfile = KeyFile(
+        salt_key_hex=salt_key_hex or secrets.token_hex(32),
+        key_hashes={name: [hash_api_key(k) for k in ks] for name, ks in plain.items()},
+    )
+    return keyfile, plain
+
+
+def write_config(directory: Path, table: TenantTable, keys: KeyFile) -> tuple[Path, Path]:
+    config = directory / "tenants.json"
+    keyfile = directory / "keys.json"
+    config.write_text(dump_json(table))
+    keyfile.write_text(dump_json(keys))
+    return config, keyfile
