@@ -1,0 +1,198 @@
+"""kopf wiring: every trigger funnels into one coalesced, idempotent reconcile per ModelDeployment.
+
+Triggers:
+* any event of a ModelDeployment, of a Tenant (for the ModelDeployment it references, and the one it
+  referenced before when the reference changed), and of any child the operator labelled as its own
+  (watched with a server-side label selector, so unrelated Secrets never reach the operator);
+* a timer per ModelDeployment (``KVFLEET_RESYNC_SECONDS``, default 30 s): the safety net.
+
+Event handlers store nothing on the objects (no progress annotations): the reconcile is level-triggered
+and needs no memory. The one finalizer is on ModelDeployments, so that deleting one that tenants still
+reference is held back with a condition on those tenants (``ModelDeploymentDeleting``).
+
+All kopf settings live in ``configure`` below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import kopf
+from kopf._cogs.structs.references import Selector  # not re-exported by kopf; documented in its settings
+
+from kvfleet_operator import metrics
+from kvfleet_operator.api.common import GROUP, VERSION
+from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
+from kvfleet_operator.build.model_deployment import OperatorImages
+from kvfleet_operator.handlers.reconcile import (
+    OperatorConfig,
+    reconcile_model_deployment,
+    tenants_referencing,
+)
+from kvfleet_operator.k8s import kinds
+from kvfleet_operator.k8s.client import ApiError, Credentials, KubeClient
+
+log = logging.getLogger("kvfleet.operator")
+
+FINALIZER = "kvfleet.io/finalizer"
+ANNOTATION_PREFIX = "kvfleet.io"
+RESYNC_SECONDS = float(os.environ.get("KVFLEET_RESYNC_SECONDS", "30"))
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
+DEFAULT_GATEWAY_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
+OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
+OWNED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+
+
+class Coalescer:
+    """At most one reconcile per key at a time, and at most one queued behind it.
+
+    A trigger that arrives while a run is queued is absorbed by that run: the run reads the world when it
+    starts, so it sees whatever the trigger was about.
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._queued: set[tuple[str, str]] = set()
+
+    async def run(self, key: tuple[str, str], fn: Callable[[], Awaitable[None]]) -> bool:
+        if key in self._queued:
+            return False
+        self._queued.add(key)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            self._queued.discard(key)
+            await fn()
+        return True
+
+
+class OperatorState:
+    """What handlers share, kept in kopf's memo."""
+
+    def __init__(self, client: KubeClient, config: OperatorConfig) -> None:
+        self.client = client
+        self.config = config
+        self.coalescer = Coalescer()
+        #: Tenant uid -> ModelDeployment it referenced when last seen (to reconcile the old one on a move).
+        self.tenant_refs: dict[str, str] = {}
+
+    async def reconcile(self, namespace: str, name: str) -> None:
+        async def _run() -> None:
+            before = dict(self.client.calls)
+            result = await reconcile_model_deployment(self.client, self.config, namespace, name)
+            for verb, count in self.client.calls.items():
+                metrics.api_calls.labels(verb).inc(count - before.get(verb, 0))
+            for change in result.applied + result.deleted:
+                log.info("%s/%s: %s", namespace, name, change)
+
+        await self.coalescer.run((namespace, name), _run)
+
+
+def _state(memo: Any) -> OperatorState:
+    state: OperatorState = memo["kvfleet"]
+    return state
+
+
+@kopf.on.startup()
+async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.peering.standalone = True  # one replica, Recreate strategy: no peering objects needed
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.posting.level = logging.WARNING  # Events for what a human should notice, not chatter
+    for kind in kinds.CHILD_KINDS:
+        group, _sep, version = kind.api_version.rpartition("/")
+        selector = Selector(group=group, version=version, plural=kind.plural)
+        settings.watching.label_selectors[selector] = OWNED_SELECTOR
+    client = KubeClient(Credentials.discover())
+    await client.__aenter__()
+    try:
+        monitoring = await client.api_group_exists("monitoring.coreos.com/v1")
+    except ApiError:
+        monitoring = False
+    config = OperatorConfig(
+        images=OperatorImages(
+            engine=os.environ.get("KVFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
+            gateway=os.environ.get("KVFLEET_GATEWAY_IMAGE", DEFAULT_GATEWAY_IMAGE),
+        ),
+        monitoring=monitoring,
+    )
+    memo["kvfleet"] = OperatorState(client, config)
+
+
+@kopf.on.cleanup()
+async def close(*, memo: Any, **_: Any) -> None:
+    await _state(memo).client.__aexit__()
+
+
+@kopf.on.event(group=GROUP, version=VERSION, plural="modeldeployments")
+async def on_model_deployment(*, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    await _state(memo).reconcile(str(namespace), name)
+
+
+@kopf.timer(group=GROUP, version=VERSION, plural="modeldeployments", interval=RESYNC_SECONDS, sharp=False)
+async def resync(*, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    try:
+        await _state(memo).reconcile(str(namespace), name)
+    except ApiError as exc:
+        raise kopf.TemporaryError(f"API error during reconcile: {exc}", delay=5) from exc
+
+
+@kopf.on.event(group=GROUP, version=VERSION, plural="tenants")
+async def on_tenant(*, namespace: str | None, body: kopf.Body, type: str, memo: Any, **_: Any) -> None:
+    state = _state(memo)
+    uid = str(body.metadata.uid)
+    ref = str((body.spec.get("modelDeploymentRef") or {}).get("name") or "")
+    previous = state.tenant_refs.get(uid)
+    if type == "DELETED":
+        state.tenant_refs.pop(uid, None)
+    elif ref:
+        state.tenant_refs[uid] = ref
+    for target in {ref, previous} - {"", None}:
+        await state.reconcile(str(namespace), str(target))
+
+
+def _register_child_watch(kind: kinds.Kind) -> None:
+    group, _sep, version = kind.api_version.rpartition("/")
+
+    async def on_child(*, namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
+        owner = labels.get(LABEL_MODEL_DEPLOYMENT)
+        if owner and namespace:
+            await _state(memo).reconcile(namespace, owner)
+
+    on_child.__name__ = f"on_{kind.plural}"
+    kopf.on.event(group=group, version=version, plural=kind.plural, labels=OWNED, id=f"child-{kind.plural}")(
+        on_child
+    )
+
+
+for _kind in kinds.CHILD_KINDS:
+    if _kind not in (kinds.SERVICE_MONITOR, kinds.POD_MONITOR):  # optional APIs: covered by the timer
+        _register_child_watch(_kind)
+
+
+@kopf.on.delete(group=GROUP, version=VERSION, plural="modeldeployments")
+async def on_model_deployment_delete(*, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+    """Hold the deletion while tenants reference the ModelDeployment; they get a condition saying so."""
+    state = _state(memo)
+    remaining = await tenants_referencing(state.client, str(namespace), name)
+    if remaining:
+        await state.reconcile(str(namespace), name)  # writes ModelDeploymentDeleting on each tenant
+        raise kopf.TemporaryError(
+            f"{len(remaining)} tenant(s) still reference this ModelDeployment ({', '.join(remaining[:10])}); "
+            "delete them or point them elsewhere",
+            delay=15,
+        )
+
+
+@kopf.on.probe(id="ready")
+async def probe_ready(*, memo: Any, **_: Any) -> bool:
+    return "kvfleet" in memo
