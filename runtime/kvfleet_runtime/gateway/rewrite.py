@@ -17,7 +17,8 @@ Body fields set:
                   removed again when the client did not ask for it).
 Headers set:
   ``X-Request-Id: kvf_<tenant>_<32 hex>``: vLLM uses it as the request id base, so the engine request id
-                  is ``chatcmpl-kvf_<tenant>_<hex>-<8 random>`` (``cmpl-`` for completions);
+                  is ``chatcmpl-kvf_<tenant>_<hex>-<8 random>`` (``cmpl-`` for completions, and
+                  ``_<i>`` before the random part for each of ``n > 1`` choices);
                   ``parse_tenant_from_request_id`` recovers the tenant (``_`` never occurs in a
                   Kubernetes name, so the separators are unambiguous);
   ``X-Kvfleet-Tenant: <tenant>``: for proxies and logs in between (vLLM ignores it).
@@ -57,7 +58,7 @@ REQUEST_ID_PREFIX: Final = "kvf_"
 CHAT_MESSAGE_OVERHEAD_TOKENS: Final = 4
 CHARS_PER_TOKEN: Final = 4
 
-_REQUEST_ID_RE = re.compile(r"(?:^|-)kvf_([a-z0-9][a-z0-9.-]*)_[0-9a-f]{32}(?:-|$)")
+_REQUEST_ID_RE = re.compile(r"(?:^|-)kvf_([a-z0-9][a-z0-9.-]*)_[0-9a-f]{32}(?:[-_]|$)")
 
 
 class Endpoint(StrEnum):
