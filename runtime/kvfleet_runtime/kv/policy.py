@@ -37,8 +37,9 @@ while an expired entry or an over-quota tenant's unpinned entry exists.
 Complexity: ``insert``, ``touch``, ``pin``, ``unpin``, ``remove`` are O(1) (a dict and one per-tenant
 ``OrderedDict`` in LRU order, no allocation besides the entry itself). ``select_victims(k)`` is
 O(T + k log T) where T is the number of tenants with evictable entries: the oldest entry of each tenant's
-LRU is also its most idle one, so heaps over the T tenant heads (lazy deletion) give each stage's next
-victim. Per-tenant accounting (entries, size) is maintained incrementally.
+LRU is also its most idle one, so the first victim comes from a scan over the T tenant heads and further
+ones from heaps over those heads (lazy deletion); nothing depends on the number of entries.
+Per-tenant accounting (entries, size) is maintained incrementally.
 
 How the vLLM block-pool plugin calls it (one ``TierPolicy`` for the replica's HBM, ``size=1``):
 
@@ -395,7 +396,9 @@ class TierPolicy:
             if own is not None and own.lru and own.size + incoming > own.limits.burst:
                 victim = selection.evict_head(own, EvictionReason.OVER_QUOTA)
             if victim is None:
-                victim = selection.next_victim()
+                # The first victim by a scan over the tenants' heads (cheaper than building heaps when
+                # one entry is needed, the common case); further victims of the same call via heaps.
+                victim = selection.scan_one() if not victims else selection.next_victim()
             if victim is None:
                 break
             victims.append(victim)
@@ -441,6 +444,33 @@ class _Selection:
 
     def next_victim(self) -> Victim | None:
         return self._pop_expired() or self._pop_over_quota() or self._pop_lru()
+
+    def scan_one(self) -> Victim | None:
+        """The next victim by a linear scan over tenants: same order as the heaps, no heap built."""
+        tenants = self._policy._tenants
+        best_ttl: tuple[float, int, str] | None = None
+        best_over: tuple[int, float, int, str] | None = None
+        best_lru: tuple[int, int, str] | None = None
+        for state in tenants.values():
+            if not state.lru:
+                continue
+            ttl = self._expired_item(state)
+            if ttl is not None and (best_ttl is None or ttl < best_ttl):
+                best_ttl = ttl
+            if best_ttl is None:
+                over = self._over_item(state)
+                if over is not None and (best_over is None or over < best_over):
+                    best_over = over
+                lru = self._lru_item(state)
+                if lru is not None and (best_lru is None or lru < best_lru):
+                    best_lru = lru
+        if best_ttl is not None:
+            return self.evict_head(tenants[best_ttl[2]], EvictionReason.TTL)
+        if best_over is not None:
+            return self.evict_head(tenants[best_over[3]], EvictionReason.OVER_QUOTA)
+        if best_lru is not None:
+            return self.evict_head(tenants[best_lru[2]], EvictionReason.LRU)
+        return None
 
     def drain_expired(self) -> list[Victim]:
         out: list[Victim] = []

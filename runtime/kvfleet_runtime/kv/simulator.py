@@ -1,0 +1,527 @@
+"""The KV simulator: replays a workload through the policy core over HBM → CPU → NVMe tiers.
+
+Pure (no I/O): :func:`simulate` takes requests, a :class:`FleetSpec`, a :class:`PolicySpec` and the
+tenants' :class:`TenantSpec`, and returns a :class:`SimulationResult`. ``kvfleet simulate`` is its shell.
+
+Model
+-----
+* The KV of a token sequence is cut into *units* of ``unit_tokens`` tokens (vLLM hashes 16-token blocks,
+  LMCache 256-token chunks; one unit size for all tiers keeps the replay fast, see docs/benchmarks.md).
+  A unit's key chains a hash over the tenant's cache salt and every segment piece before it, so prefix
+  reuse is exactly vLLM's: a prompt hits the longest run of leading units found in its replica's HBM, or
+  failing that in the CPU then NVMe tier; the rest is computed. Only full units are cached; the partial
+  last unit of a sequence is always computed.
+* A request is routed by session affinity (a stable hash of its session) to one replica. At arrival its
+  hit units are pinned in HBM (restored from CPU/NVMe: restores are copies, NVMe restores are staged
+  through CPU), its computed units are added to HBM, pinned. At completion (arrival + TTFT + output
+  tokens / decode rate) the output's full units are added and every unit is unpinned tail first, as
+  vLLM's ``free_blocks`` does.
+* HBM victims demote to the CPU tier, CPU victims to NVMe, NVMe victims are dropped (write-back, the
+  tier policy of DESIGN.md). Each tier of each replica is one :class:`~kvfleet_runtime.kv.policy.TierPolicy`;
+  with ``shared_offload`` one CPU and one NVMe tier (the replicas' capacities pooled) serve all replicas,
+  like LMCache's distributed mode.
+* Ungoverned policies (``lru``, ``lmcache``, ``distributed``) run the same core with every tenant's
+  quota and burst set to the tier size and no TTL: pure global LRU. ``kvfleet`` gives each tenant its
+  quota share, the burst cap and the TTLs of :class:`TenantSpec`.
+
+Metrics per tenant (requests arriving after ``warmup_seconds``): prompt tokens; hit tokens by tier;
+*recomputed* tokens (tokens of units that had been computed before somewhere in the fleet but were found
+in no tier: the waste caching should avoid) and *new* tokens (first computation, including partial last
+units); prefix hit rate = hits / prompt tokens; recompute rate = recomputed / prompt tokens. TTFT is an
+estimate without queueing: computed tokens / prefill throughput + CPU restores at PCIe bandwidth (per
+GPU shard) + NVMe restores at NVMe bandwidth (the replica's bytes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvfleet_runtime.config import KVTier, SlaTier, TierTTLs
+from kvfleet_runtime.kv.policy import EvictionReason, TenantLimits, TierPolicy, Victim
+from kvfleet_runtime.kv.workloads import Request
+
+__all__ = [
+    "POLICIES",
+    "FleetSpec",
+    "PolicySpec",
+    "SimulationResult",
+    "TenantReport",
+    "TenantSpec",
+    "compute_unit_keys",
+    "simulate",
+]
+
+_TIERS: tuple[KVTier, ...] = (KVTier.HBM, KVTier.CPU, KVTier.NVME)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """A tenant as the simulator governs it."""
+
+    name: str
+    sla: SlaTier = SlaTier.STANDARD
+    #: Quota on every tier as a fraction of that tier (``kvfleet`` policy only).
+    share: float = 0.0
+    ttl: TierTTLs = field(default_factory=TierTTLs)
+    burst_cap: float = 0.5
+    #: Cache salt group: tenants with the same salt share prefixes (isolation ``shared``).
+    salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    """Capacities and speeds of a pool of replicas. Capacities in units of ``unit_tokens`` tokens."""
+
+    replicas: int
+    unit_tokens: int
+    hbm_units_per_replica: int
+    cpu_units_per_replica: int = 0
+    nvme_units_per_replica: int = 0
+    #: KV bytes per token held by one GPU (a CPU restore moves this over each GPU's own PCIe link).
+    kv_bytes_per_token_per_gpu: int = 0
+    #: KV bytes per token a replica stores in LMCache (an NVMe restore reads this from the drives).
+    offload_bytes_per_token: int = 0
+    pcie_gbps: float = 40.0
+    nvme_gbps: float = 12.0
+    prefill_tokens_per_second: float = 20_000.0
+    decode_tokens_per_second: float = 40.0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A cache configuration to compare."""
+
+    name: str
+    description: str
+    governed: bool = False
+    cpu: bool = False
+    nvme: bool = False
+    shared_offload: bool = False
+
+
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("lru", "vLLM prefix caching only: HBM, global LRU"),
+        PolicySpec("lmcache", "vLLM + LMCache CPU+NVMe per replica, LRU", cpu=True, nvme=True),
+        PolicySpec(
+            "distributed",
+            "LMCache CPU+NVMe shared by all replicas, LRU",
+            cpu=True,
+            nvme=True,
+            shared_offload=True,
+        ),
+        PolicySpec(
+            "kvfleet-local",
+            "kvfleet policy core on HBM + per-replica CPU+NVMe",
+            governed=True,
+            cpu=True,
+            nvme=True,
+        ),
+        PolicySpec(
+            "kvfleet",
+            "kvfleet policy core on HBM + shared CPU+NVMe",
+            governed=True,
+            cpu=True,
+            nvme=True,
+            shared_offload=True,
+        ),
+    )
+}
+
+
+@dataclass(slots=True)
+class TenantReport:
+    """One tenant's figures over the measured requests."""
+
+    tenant: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in _TIERS})
+    recomputed_tokens: int = 0
+    new_tokens: int = 0
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    #: tier -> reason -> evictions of this tenant's units (after warm-up)
+    evictions: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hit_tokens.values()) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def recompute_rate(self) -> float:
+        return self.recomputed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "tenant": self.tenant,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": dict(self.hit_tokens),
+            "recomputed_tokens": self.recomputed_tokens,
+            "new_tokens": self.new_tokens,
+            "prefix_hit_rate": round(self.hit_rate, 6),
+            "recompute_rate": round(self.recompute_rate, 6),
+            "ttft_p50_ms": round(self.ttft_p50_ms, 3),
+            "ttft_p99_ms": round(self.ttft_p99_ms, 3),
+            "evictions": self.evictions,
+        }
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    """Everything :func:`simulate` measured."""
+
+    policy: str
+    tenants: dict[str, TenantReport]
+    total: TenantReport
+    #: sample times (s)
+    times: list[float]
+    #: tier -> tenant -> occupancy (units, summed over replicas) at each sample time
+    occupancy: dict[str, dict[str, list[int]]]
+    #: tier -> capacity (units, summed over replicas)
+    capacity: dict[str, int]
+    #: tenant -> prefix hit rate of the requests arriving in each sample interval (None: no requests)
+    hit_rate_timeline: dict[str, list[float | None]]
+    warmup_seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "policy": self.policy,
+            "warmup_seconds": self.warmup_seconds,
+            "total": self.total.as_dict(),
+            "tenants": {name: r.as_dict() for name, r in self.tenants.items()},
+            "capacity_units": self.capacity,
+            "timeline": {
+                "times": self.times,
+                "occupancy_units": self.occupancy,
+                "hit_rate": self.hit_rate_timeline,
+            },
+        }
+
+
+def compute_unit_keys(
+    salt: int, segments: Iterable[tuple[int, int]], unit_tokens: int
+) -> tuple[list[int], int]:
+    """Chained keys of the full units of a token sequence, and the tokens left in its partial last unit."""
+    keys: list[int] = []
+    prev = salt
+    pieces: list[tuple[int, int, int]] = []
+    fill = 0
+    for seg, length in segments:
+        offset = 0
+        while offset < length:
+            take = min(unit_tokens - fill, length - offset)
+            pieces.append((seg, offset, take))
+            fill += take
+            offset += take
+            if fill == unit_tokens:
+                prev = hash((prev, tuple(pieces)))
+                keys.append(prev)
+                pieces = []
+                fill = 0
+    return keys, fill
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    replica: int
+    tenant: str
+    prompt_units: int
+    keys: list[int]
+    held: list[int]
+
+
+class _Fleet:
+    """The tiers of every replica and the replay loop."""
+
+    def __init__(self, fleet: FleetSpec, policy: PolicySpec, tenants: Sequence[TenantSpec]) -> None:
+        self.spec = fleet
+        self.policy = policy
+        self.hbm = [
+            self._tier(KVTier.HBM, fleet.hbm_units_per_replica, tenants) for _ in range(fleet.replicas)
+        ]
+        self.cpu: list[TierPolicy | None] = self._offload(
+            KVTier.CPU, fleet.cpu_units_per_replica, policy.cpu, tenants
+        )
+        self.nvme: list[TierPolicy | None] = self._offload(
+            KVTier.NVME, fleet.nvme_units_per_replica, policy.nvme, tenants
+        )
+        self.seen: set[int] = set()
+
+    def _offload(
+        self, tier: KVTier, units: int, enabled: bool, tenants: Sequence[TenantSpec]
+    ) -> list[TierPolicy | None]:
+        if not enabled or units <= 0:
+            return [None] * self.spec.replicas
+        if self.policy.shared_offload:
+            shared = self._tier(tier, units * self.spec.replicas, tenants)
+            return [shared] * self.spec.replicas
+        return [self._tier(tier, units, tenants) for _ in range(self.spec.replicas)]
+
+    def _tier(self, tier: KVTier, capacity: int, tenants: Sequence[TenantSpec]) -> TierPolicy:
+        if not self.policy.governed:
+            everyone = TenantLimits(quota=capacity, burst=capacity, ttl_seconds=math.inf)
+            return TierPolicy(tier, capacity, default_limits=everyone)
+        limits = {}
+        for t in tenants:
+            quota = int(t.share * capacity)
+            limits[t.name] = TenantLimits(
+                quota=quota,
+                burst=max(quota, int(t.burst_cap * capacity)),
+                ttl_seconds=t.ttl.for_tier(tier),
+                sla=t.sla,
+            )
+        return TierPolicy(tier, capacity, limits)
+
+    def levels(self, replica: int) -> list[TierPolicy | None]:
+        return [self.hbm[replica], self.cpu[replica], self.nvme[replica]]
+
+    def all_tiers(self) -> dict[KVTier, list[TierPolicy]]:
+        """Distinct tier objects per tier (a shared tier once)."""
+        out: dict[KVTier, list[TierPolicy]] = {}
+        for tier, objs in ((KVTier.HBM, self.hbm), (KVTier.CPU, self.cpu), (KVTier.NVME, self.nvme)):
+            unique: dict[int, TierPolicy] = {}
+            for o in objs:
+                if o is not None:
+                    unique[id(o)] = o
+            out[tier] = list(unique.values())
+        return out
+
+    def store(self, replica: int, level: int, key: int, tenant: str, now: float, pinned: bool) -> bool:
+        """Admit ``key`` at ``level`` of ``replica``'s tiers, demoting victims one level down."""
+        tier = self.levels(replica)[level]
+        if tier is None:
+            return False
+        admission = tier.admit(key, tenant, now, 1, pinned)
+        if admission.victims and level + 1 < len(_TIERS):
+            self._demote(replica, level + 1, admission.victims, now)
+        return admission.admitted
+
+    def _demote(self, replica: int, level: int, victims: list[Victim], now: float) -> None:
+        lower = self.levels(replica)[level]
+        if lower is None:
+            return
+        for victim in victims:
+            if isinstance(victim.key, int) and victim.key not in lower:
+                self.store(replica, level, victim.key, victim.tenant, now, pinned=False)
+
+
+def simulate(
+    requests: Sequence[Request],
+    fleet: FleetSpec,
+    policy: PolicySpec,
+    tenants: Sequence[TenantSpec],
+    warmup_seconds: float = 0.0,
+    sample_seconds: float = 60.0,
+) -> SimulationResult:
+    """Replay ``requests`` (sorted by time) and measure; see the module docstring for the model."""
+    state = _Fleet(fleet, policy, tenants)
+    unit = fleet.unit_tokens
+    specs = {t.name: t for t in tenants}
+    salts: dict[str, int] = {}
+    names = list(dict.fromkeys([*(t.name for t in tenants), *(r.tenant for r in requests)]))
+    reports = {name: TenantReport(name) for name in names}
+    ttfts: dict[str, list[float]] = {name: [] for name in names}
+    end = max((r.time for r in requests), default=0.0)
+    buckets = max(1, math.ceil((end + 1e-9) / sample_seconds))
+    bucket_prompt = {name: [0] * buckets for name in names}
+    bucket_hit = {name: [0] * buckets for name in names}
+    times: list[float] = []
+    occupancy: dict[str, dict[str, list[int]]] = {t.value: {n: [] for n in names} for t in _TIERS}
+    evictions_at_warmup: dict[KVTier, dict[tuple[str, EvictionReason], int]] | None = None
+    gpu_bytes = fleet.kv_bytes_per_token_per_gpu
+    off_bytes = fleet.offload_bytes_per_token
+
+    def salt_of(tenant: str) -> int:
+        if tenant not in salts:
+            spec = specs.get(tenant)
+            group = spec.salt if spec is not None and spec.salt is not None else f"tenant:{tenant}"
+            salts[tenant] = zlib.crc32(group.encode()) | (1 << 40)
+        return salts[tenant]
+
+    def snapshot_evictions() -> dict[KVTier, dict[tuple[str, EvictionReason], int]]:
+        out: dict[KVTier, dict[tuple[str, EvictionReason], int]] = {}
+        for tier, objs in state.all_tiers().items():
+            merged: dict[tuple[str, EvictionReason], int] = {}
+            for o in objs:
+                for k, v in o.evictions.items():
+                    merged[k] = merged.get(k, 0) + v
+            out[tier] = merged
+        return out
+
+    def sample(t: float) -> None:
+        times.append(t)
+        tiers = state.all_tiers()
+        for tier in _TIERS:
+            for name in names:
+                occupancy[tier.value][name].append(sum(o.usage(name).size for o in tiers[tier]))
+
+    completions: list[tuple[float, int, _InFlight]] = []
+    seq = 0
+    next_sample = 0.0
+
+    def complete(now: float, job: _InFlight) -> None:
+        hbm = state.hbm[job.replica]
+        for key in job.keys[job.prompt_units :]:
+            state.seen.add(key)
+            if key in hbm:
+                hbm.touch(key, now)
+                hbm.pin(key)
+                job.held.append(key)
+            elif state.store(job.replica, 0, key, job.tenant, now, pinned=True):
+                job.held.append(key)
+        for key in reversed(job.held):
+            hbm.unpin(key, now)
+
+    for request in requests:
+        now = request.time
+        while completions and completions[0][0] <= now:
+            t_done, _, job = heapq.heappop(completions)
+            complete(t_done, job)
+        while next_sample <= now:
+            sample(next_sample)
+            next_sample += sample_seconds
+        if evictions_at_warmup is None and now >= warmup_seconds:
+            evictions_at_warmup = snapshot_evictions()
+
+        tenant = request.tenant
+        salt = salt_of(tenant)
+        replica = zlib.crc32(request.session.encode()) % fleet.replicas
+        # One pass over prompt + output: the prompt's units are a prefix of the sequence's units.
+        segments = request.segments
+        if request.output_tokens:
+            segments = (*segments, (request.output_segment, request.output_tokens))
+        all_keys, _ = compute_unit_keys(salt, segments, unit)
+        prompt = request.prompt_tokens
+        prompt_units = prompt // unit
+        tail = prompt - prompt_units * unit
+        keys = all_keys[:prompt_units]
+        hbm, cpu, nvme = state.levels(replica)
+        assert hbm is not None
+        held: list[int] = []
+        hits = [0, 0, 0]
+        matched = 0
+        for key in keys:
+            if key in hbm:
+                hbm.touch(key, now)
+                hbm.pin(key)
+                held.append(key)
+                hits[0] += 1
+            elif cpu is not None and key in cpu:
+                cpu.touch(key, now)
+                if state.store(replica, 0, key, tenant, now, pinned=True):
+                    held.append(key)
+                hits[1] += 1
+            elif nvme is not None and key in nvme:
+                nvme.touch(key, now)
+                if cpu is not None and key not in cpu:
+                    state.store(replica, 1, key, tenant, now, pinned=False)
+                if state.store(replica, 0, key, tenant, now, pinned=True):
+                    held.append(key)
+                hits[2] += 1
+            else:
+                break
+            matched += 1
+        recomputed = 0
+        for key in keys[matched:]:
+            if key in state.seen:
+                recomputed += 1
+            else:
+                state.seen.add(key)
+            if key in hbm:  # cached further down the prefix, but prefix matching stopped earlier
+                hbm.touch(key, now)
+                hbm.pin(key)
+                held.append(key)
+            elif state.store(replica, 0, key, tenant, now, pinned=True):
+                held.append(key)
+        computed_tokens = (len(keys) - matched) * unit + tail
+        ttft = (
+            computed_tokens / fleet.prefill_tokens_per_second
+            + hits[1] * unit * gpu_bytes / (fleet.pcie_gbps * 1e9)
+            + hits[2] * unit * off_bytes / (fleet.nvme_gbps * 1e9)
+        )
+        done = now + ttft + request.output_tokens / fleet.decode_tokens_per_second
+        job = _InFlight(replica, tenant, prompt_units, all_keys, held)
+        seq += 1
+        heapq.heappush(completions, (done, seq, job))
+
+        bucket = min(buckets - 1, int(now // sample_seconds))
+        bucket_prompt[tenant][bucket] += prompt
+        bucket_hit[tenant][bucket] += matched * unit
+        if now < warmup_seconds:
+            continue
+        report = reports[tenant]
+        report.requests += 1
+        report.prompt_tokens += prompt
+        for tier, count in zip(_TIERS, hits, strict=True):
+            report.hit_tokens[tier.value] += count * unit
+        report.recomputed_tokens += recomputed * unit
+        report.new_tokens += computed_tokens - recomputed * unit
+        ttfts[tenant].append(ttft)
+
+    while completions:
+        t_done, _, job = heapq.heappop(completions)
+        complete(t_done, job)
+    sample(max(next_sample, end))
+
+    baseline = evictions_at_warmup or {}
+    final = snapshot_evictions()
+    for tier, counts in final.items():
+        for (name, reason), value in counts.items():
+            delta = value - baseline.get(tier, {}).get((name, reason), 0)
+            if delta and name in reports:
+                reports[name].evictions.setdefault(tier.value, {}).setdefault(reason.value, 0)
+                reports[name].evictions[tier.value][reason.value] += delta
+
+    total = TenantReport("total")
+    all_ttfts: list[float] = []
+    for name, report in reports.items():
+        values = sorted(ttfts[name])
+        all_ttfts.extend(values)
+        report.ttft_p50_ms = _percentile(values, 0.5) * 1000
+        report.ttft_p99_ms = _percentile(values, 0.99) * 1000
+        total.requests += report.requests
+        total.prompt_tokens += report.prompt_tokens
+        for k, v in report.hit_tokens.items():
+            total.hit_tokens[k] += v
+        total.recomputed_tokens += report.recomputed_tokens
+        total.new_tokens += report.new_tokens
+        for tier_name, reasons in report.evictions.items():
+            for reason_name, v in reasons.items():
+                total.evictions.setdefault(tier_name, {}).setdefault(reason_name, 0)
+                total.evictions[tier_name][reason_name] += v
+    all_ttfts.sort()
+    total.ttft_p50_ms = _percentile(all_ttfts, 0.5) * 1000
+    total.ttft_p99_ms = _percentile(all_ttfts, 0.99) * 1000
+
+    capacity = {tier.value: sum(o.capacity for o in objs) for tier, objs in state.all_tiers().items()}
+    timeline = {
+        name: [
+            (bucket_hit[name][b] / bucket_prompt[name][b]) if bucket_prompt[name][b] else None
+            for b in range(buckets)
+        ]
+        for name in names
+    }
+    return SimulationResult(
+        policy=policy.name,
+        tenants=reports,
+        total=total,
+        times=times,
+        occupancy=occupancy,
+        capacity=capacity,
+        hit_rate_timeline=timeline,
+        warmup_seconds=warmup_seconds,
+    )
