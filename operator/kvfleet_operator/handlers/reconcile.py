@@ -91,9 +91,13 @@ def _decode(secret: Obj, key: str) -> str | None:
 
 
 async def _resolve_key_hashes(
-    client: KubeClient, tenant: Tenant
+    client: KubeClient, tenant: Tenant, *, generate: bool
 ) -> tuple[list[str] | None, Condition | None, str]:
-    """Hashes of the tenant's valid API keys; generates the Secret when the spec references none."""
+    """Hashes of the tenant's valid API keys, a problem, and the Secret's name.
+
+    When the spec references no Secret and the generated one does not exist yet, it is created only with
+    ``generate`` (for admitted tenants); otherwise ``(None, None, name)`` says "generate me".
+    """
     namespace = str(tenant.metadata["namespace"])
     secret_name, data_key = api_key_secret_ref(tenant)
     secret = await client.get(kinds.SECRET, secret_name, namespace)
@@ -111,6 +115,8 @@ async def _resolve_key_hashes(
                 ),
                 secret_name,
             )
+        if not generate:
+            return None, None, secret_name
         api_key = "kvf-" + secrets.token_urlsafe(32)  # 256 bits of randomness
         try:
             secret = await client.apply(
@@ -208,6 +214,7 @@ async def _reconcile(
     tenants: list[Tenant] = []
     tenant_problems: dict[str, tuple[Condition, str]] = {}
     key_hashes: dict[str, list[str]] = {}
+    to_generate: list[Tenant] = []
     raw_by_name = {str(t["metadata"]["name"]): t for t in raw_tenants}
     for tname, raw in raw_by_name.items():
         try:
@@ -215,12 +222,15 @@ async def _reconcile(
         except ValidationError as exc:
             tenant_problems[tname] = (_problem(st.INVALID_SPEC, "; ".join(format_validation_error(exc))), "")
             continue
-        hashes, problem, secret_name = await _resolve_key_hashes(client, tenant)
-        if problem is not None or hashes is None:
-            tenant_problems[tname] = (problem or _problem(st.API_KEY_SECRET_NOT_FOUND, "no key"), secret_name)
+        hashes, problem, secret_name = await _resolve_key_hashes(client, tenant, generate=False)
+        if problem is not None:
+            tenant_problems[tname] = (problem, secret_name)
             continue
-        key_hashes[tname] = hashes
         tenants.append(tenant)
+        if hashes is None:
+            to_generate.append(tenant)
+        else:
+            key_hashes[tname] = hashes
 
     try:
         capacity: PoolCapacity | None = compute_pool_capacity(md)
@@ -229,6 +239,14 @@ async def _reconcile(
         result.problem = _problem(st.CAPACITY_UNKNOWN, str(exc))
     decisions: list[TenantDecision] = admit_tenants(capacity, tenants) if capacity else []
     result.rejected_tenants = [d.name for d in decisions if not d.admitted]
+    # Only admitted tenants get a generated key Secret: a rejected tenant leaves nothing behind.
+    admitted_names = {d.name for d in decisions if d.admitted}
+    for tenant in to_generate:
+        tname = str(tenant.metadata["name"])
+        if tname in admitted_names:
+            hashes, _problem_unused, _name = await _resolve_key_hashes(client, tenant, generate=True)
+            if hashes:
+                key_hashes[tname] = hashes
 
     endpoint = compute_endpoint(md, config.images)
     child_kinds = _child_kinds(config)
@@ -238,10 +256,9 @@ async def _reconcile(
         existing += await client.list(kind, namespace, label_selector=selector)
 
     if capacity is not None:
-        admitted = {d.name for d in decisions if d.admitted}
         keys = KeyFile(
             salt_key_hex=await _salt_key_hex(client, namespace, name),
-            key_hashes={t: h for t, h in sorted(key_hashes.items()) if t in admitted},
+            key_hashes={t: h for t, h in sorted(key_hashes.items()) if t in admitted_names},
         )
         desired = build_desired_children(
             md, capacity, tenants, decisions, keys, config.images, config.monitoring

@@ -1,0 +1,306 @@
+"""The operator's reconcile against the real API server, scheduler and kwok GPU nodes.
+
+These tests call the same ``reconcile_model_deployment`` every kopf handler calls, in process, so they
+can count API calls; ``test_operator_process.py`` runs the real operator process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from devcluster import ControlPlane
+
+from kvfleet_operator.build.model_deployment import OperatorImages
+from kvfleet_operator.handlers.reconcile import OperatorConfig, reconcile_model_deployment
+from kvfleet_operator.k8s import kinds
+from kvfleet_operator.k8s.client import Credentials, KubeClient
+from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt, hash_api_key
+
+from .cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+CONFIG = OperatorConfig(images=OperatorImages(engine="kvfleet-engine:test", gateway="kvfleet:test"))
+BANK_KEY = "kvf-bank-test-key-0123456789abcdef"
+
+
+def load_example(name: str, namespace: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / name).read_text())
+    doc["metadata"]["namespace"] = namespace
+    return doc
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _with_client(plane: ControlPlane, fn: Any) -> Any:
+    async with KubeClient(Credentials.from_kubeconfig(plane.kubeconfig)) as client:
+        return await fn(client)
+
+
+def reconcile(plane: ControlPlane, namespace: str, name: str) -> tuple[Any, int]:
+    """One reconcile; returns its result and the number of mutating API calls it made."""
+
+    async def go(client: KubeClient) -> tuple[Any, int]:
+        result = await reconcile_model_deployment(client, CONFIG, namespace, name)
+        return result, client.mutating_calls
+
+    out: tuple[Any, int] = run(_with_client(plane, go))
+    return out
+
+
+def create(plane: ControlPlane, doc: dict[str, Any]) -> None:
+    namespace = doc["metadata"]["namespace"]
+    path = {
+        "ModelDeployment": f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/modeldeployments",
+        "Tenant": f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenants",
+        "Secret": f"/api/v1/namespaces/{namespace}/secrets",
+        "PersistentVolume": "/api/v1/persistentvolumes",
+    }[doc["kind"]]
+    status, body = plane.request("POST", path, doc)
+    assert status == 201, body
+
+
+def get(plane: ControlPlane, path: str) -> dict[str, Any]:
+    status, body = plane.request("GET", path)
+    assert status == 200, (path, body)
+    result: dict[str, Any] = body
+    return result
+
+
+def condition(obj: dict[str, Any], kind: str = "Ready") -> dict[str, Any]:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            result: dict[str, Any] = cond
+            return result
+    return {}
+
+
+def tenant(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    return get(plane, f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenants/{name}")
+
+
+def owned_children(plane: ControlPlane, namespace: str, md: str) -> set[tuple[str, str]]:
+    selector = f"app.kubernetes.io/managed-by=kvfleet-operator,kvfleet.io/model-deployment={md}"
+    found: set[tuple[str, str]] = set()
+    for kind in kinds.CHILD_KINDS:
+        if kind in (kinds.SERVICE_MONITOR, kinds.POD_MONITOR):
+            continue
+        body = get(plane, f"{kind.path(namespace)}?labelSelector={selector}")
+        found |= {(kind.kind, item["metadata"]["name"]) for item in body["items"]}
+    return found
+
+
+def provision_local_nvme(plane: ControlPlane, namespace: str) -> None:
+    """What a platform team provides for `storageClassName: local-nvme`: static local PVs per GPU node."""
+    sc = {
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": "local-nvme"},
+        "provisioner": "kubernetes.io/no-provisioner",
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }
+    plane.request("POST", "/apis/storage.k8s.io/v1/storageclasses", sc)
+    for node in plane.layout.nodes:
+        for i in range(2):
+            create(
+                plane,
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolume",
+                    "metadata": {"name": f"nvme-{namespace}-{node.name}-{i}"},
+                    "spec": {
+                        "capacity": {"storage": "2Ti"},
+                        "accessModes": ["ReadWriteOnce"],
+                        "storageClassName": "local-nvme",
+                        "persistentVolumeReclaimPolicy": "Delete",
+                        "local": {"path": f"/mnt/nvme{i}"},
+                        "nodeAffinity": {
+                            "required": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "kubernetes.io/hostname",
+                                                "operator": "In",
+                                                "values": [node.name],
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        },
+                    },
+                },
+            )
+
+
+@pytest.fixture(scope="module")
+def examples_ns(full_cluster: ControlPlane) -> Iterator[str]:
+    """The examples applied to a fresh namespace that enforces the `restricted` Pod Security level."""
+    apply_crds(full_cluster)
+    namespace = create_namespace(
+        full_cluster, "llm", labels={"pod-security.kubernetes.io/enforce": "restricted"}
+    )
+    provision_local_nvme(full_cluster, namespace)
+    create(
+        full_cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "bank-api-key", "namespace": namespace},
+            "data": {"api-key": base64.b64encode(BANK_KEY.encode()).decode()},
+        },
+    )
+    create(full_cluster, load_example("modeldeployment-qwen72b.yaml", namespace))
+    for name in ("tenant-bank.yaml", "tenant-saas.yaml", "tenant-startup-a.yaml", "tenant-startup-b.yaml"):
+        create(full_cluster, load_example(name, namespace))
+    yield namespace
+    delete_namespace(full_cluster, namespace)
+
+
+def _converge(plane: ControlPlane, namespace: str, md: str = "qwen72b", rounds: int = 6) -> int:
+    """Reconcile until a round mutates nothing; returns the rounds it took."""
+    for i in range(1, rounds + 1):
+        _, mutations = reconcile(plane, namespace, md)
+        if mutations == 0:
+            return i
+    raise AssertionError(f"{md} did not converge in {rounds} reconciles")
+
+
+def test_examples_create_exactly_the_expected_objects(full_cluster: ControlPlane, examples_ns: str) -> None:
+    result, mutations = reconcile(full_cluster, examples_ns, "qwen72b")
+    assert mutations > 0 and not result.problem
+    expected = {
+        ("ConfigMap", "qwen72b-tenants"),
+        ("Secret", "qwen72b-keys"),
+        ("Deployment", "qwen72b-gateway"),
+        ("Service", "qwen72b-gateway"),
+        ("PodDisruptionBudget", "qwen72b-gateway"),
+        ("NetworkPolicy", "qwen72b-gateway"),
+    }
+    for pool in ("engine", "dedicated-bank-engine"):
+        expected |= {
+            ("StatefulSet", f"qwen72b-{pool}"),
+            ("Service", f"qwen72b-{pool}"),
+            ("PodDisruptionBudget", f"qwen72b-{pool}"),
+            ("NetworkPolicy", f"qwen72b-{pool}"),
+        }
+    assert owned_children(full_cluster, examples_ns, "qwen72b") == expected
+
+    # The runtime config, as data: every tenant admitted, salts as the isolation levels say.
+    cm = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/configmaps/qwen72b-tenants")
+    table = TenantTable.model_validate_json(cm["data"]["tenants.json"])
+    assert set(table.tenants) == {"bank", "saas", "startup-a", "startup-b"}
+    assert table.tenants["bank"].pool == "dedicated-bank"
+    assert table.pools["dedicated-bank"].dedicated_to == "bank"
+    assert table.tenants["startup-a"].salt_id == table.tenants["startup-b"].salt_id == table.pool_salt_id
+    assert table.tenants["saas"].salt_id != table.pool_salt_id
+    assert table.pools["shared"].engine is not None
+    assert table.pools["shared"].engine.kv_cache_dtype == "fp8_e5m2"
+
+    # Keys: hashes only; the bank's referenced key, generated keys for the others.
+    secret = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/secrets/qwen72b-keys")
+    keys = KeyFile.model_validate_json(base64.b64decode(secret["data"]["keys.json"]))
+    assert keys.key_hashes["bank"] == [hash_api_key(BANK_KEY)]
+    assert BANK_KEY not in json.dumps(secret)
+    generated = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/secrets/saas-api-key")
+    saas_key = base64.b64decode(generated["data"]["api-key"]).decode()
+    assert len(saas_key) >= 43 and keys.key_hashes["saas"] == [hash_api_key(saas_key)]
+    assert derive_cache_salt(keys.salt_key, table.tenants["saas"].salt_id) != derive_cache_salt(
+        keys.salt_key, table.pool_salt_id
+    )
+
+
+def test_engine_pods_land_on_the_right_gpu_nodes(full_cluster: ControlPlane, examples_ns: str) -> None:
+    _converge(full_cluster, examples_ns)
+    shared_nodes = {n.name for n in full_cluster.layout.shared_pool}
+    bank_nodes = {n.name for n in full_cluster.layout.dedicated_groups["bank-h200"]}
+
+    def placed() -> dict[str, str] | None:
+        pods = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/pods")["items"]
+        engines = {
+            p["metadata"]["name"]: p["spec"].get("nodeName", "")
+            for p in pods
+            if p["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"
+        }
+        return engines if len(engines) == 3 and all(engines.values()) else None
+
+    engines = wait_for(placed, timeout=90, what="3 engine pods scheduled")
+    assert {engines["qwen72b-engine-0"], engines["qwen72b-engine-1"]} <= shared_nodes
+    assert engines["qwen72b-dedicated-bank-engine-0"] in bank_nodes
+
+    # The scheduler saw the GPU requests: each shared replica takes a whole 8-GPU node.
+    assert engines["qwen72b-engine-0"] != engines["qwen72b-engine-1"]
+
+    def all_ready() -> bool:
+        _converge(full_cluster, examples_ns)
+        return condition(tenant(full_cluster, examples_ns, "bank")).get("status") == "True"
+
+    wait_for(all_ready, timeout=120, interval=2, what="tenant bank Ready")
+    for name in ("saas", "startup-a", "startup-b"):
+        assert condition(tenant(full_cluster, examples_ns, name))["status"] == "True"
+    md = get(full_cluster, f"/apis/kvfleet.io/v1alpha1/namespaces/{examples_ns}/modeldeployments/qwen72b")
+    assert condition(md)["status"] == "True"
+    assert md["status"]["kvCapacity"]["perReplica"]["hbm"]["tokens"] > 0
+    assert md["status"]["guaranteed"]["tenants"] == 4
+
+
+def test_second_reconcile_of_converged_object_mutates_nothing(
+    full_cluster: ControlPlane, examples_ns: str
+) -> None:
+    _converge(full_cluster, examples_ns)
+    _, mutations = reconcile(full_cluster, examples_ns, "qwen72b")
+    assert mutations == 0
+
+
+def test_overcommitting_tenant_is_rejected_with_numbers_and_nothing_applied(
+    full_cluster: ControlPlane, examples_ns: str
+) -> None:
+    doc = load_example("tenant-saas.yaml", examples_ns)
+    doc["metadata"]["name"] = "greedy"
+    doc["spec"]["kvQuota"] = {"hbm": "70%"}
+    doc["spec"]["burstLimit"] = "80%"
+    create(full_cluster, doc)
+    before = owned_children(full_cluster, examples_ns, "qwen72b")
+    _converge(full_cluster, examples_ns)
+    ready = condition(tenant(full_cluster, examples_ns, "greedy"))
+    assert ready["status"] == "False" and ready["reason"] == "QuotaExceedsCapacity"
+    assert "blocks per replica" in ready["message"]
+    assert owned_children(full_cluster, examples_ns, "qwen72b") == before
+    assert full_cluster.request("GET", f"/api/v1/namespaces/{examples_ns}/secrets/greedy-api-key")[0] == 404
+    cm = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/configmaps/qwen72b-tenants")
+    assert "greedy" not in TenantTable.model_validate_json(cm["data"]["tenants.json"]).tenants
+
+
+def test_missing_secret_and_dangling_reference_say_what_to_do(
+    full_cluster: ControlPlane, examples_ns: str
+) -> None:
+    nokey = load_example("tenant-saas.yaml", examples_ns)
+    nokey["metadata"]["name"] = "nokey"
+    nokey["spec"]["kvQuota"] = {"hbm": "1%"}
+    nokey["spec"]["apiKeySecretRef"] = {"name": "does-not-exist"}
+    create(full_cluster, nokey)
+    ghost = load_example("tenant-startup-a.yaml", examples_ns)
+    ghost["metadata"]["name"] = "ghost-user"
+    ghost["spec"]["modelDeploymentRef"] = {"name": "ghost"}
+    create(full_cluster, ghost)
+    _converge(full_cluster, examples_ns)
+    reconcile(full_cluster, examples_ns, "ghost")
+
+    nokey_ready = condition(tenant(full_cluster, examples_ns, "nokey"))
+    assert nokey_ready["reason"] == "ApiKeySecretNotFound"
+    assert "does-not-exist" in nokey_ready["message"] and "spec.apiKeySecretRef" in nokey_ready["message"]
+    ghost_ready = condition(tenant(full_cluster, examples_ns, "ghost-user"))
+    assert ghost_ready["reason"] == "ModelDeploymentNotFound"
+    assert "spec.modelDeploymentRef.name" in ghost_ready["message"]
+    cm = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/configmaps/qwen72b-tenants")
+    assert "nokey" not in TenantTable.model_validate_json(cm["data"]["tenants.json"]).tenants
