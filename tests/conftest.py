@@ -13,7 +13,7 @@ from typing import NoReturn
 import pytest
 
 # The real control plane and Prometheus fixtures (api_cluster, full_cluster, prometheus).
-pytest_plugins = ["cluster_fixtures"]
+pytest_plugins = ["cluster_fixtures", "engine_fixtures"]
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 

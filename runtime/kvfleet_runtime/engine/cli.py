@@ -1,0 +1,185 @@
+"""``kvfleet engine ...``: build the tiny model, sync LMCache quotas, launch one engine pod's processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import start_http_server
+
+from kvfleet_runtime.config import KeyFile, TenantTable
+from kvfleet_runtime.engine import launcher
+from kvfleet_runtime.engine import lmcache_sync as ls
+from kvfleet_runtime.engine.tinymodel import build_tiny_model
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("engine", help="vLLM + LMCache: tiny model, LMCache quota sync, launcher.")
+    sub = parser.add_subparsers(dest="engine_command", metavar="ENGINE_COMMAND", required=True)
+
+    tiny = sub.add_parser(
+        "build-tiny-model", help="Build the tiny Llama for tests and the demo (idempotent)."
+    )
+    tiny.add_argument(
+        "--dest", type=Path, default=None, help="Model folder (default: $KVFLEET_CACHE/models/tiny-llama)."
+    )
+    tiny.set_defaults(func=_build_tiny_model)
+
+    sync = sub.add_parser("lmcache-sync", help="Keep LMCache per-salt quotas in sync with the tenant table.")
+    _add_config_args(sync)
+    sync.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        help="LMCache HTTP base URL (repeatable; default: the pool's lmcache_endpoints).",
+    )
+    sync.add_argument("--interval", type=float, default=2.0, help="Seconds between sync cycles.")
+    sync.add_argument(
+        "--metrics-port", type=int, default=None, help="Serve the kvfleet_lmcache_* metrics on this port."
+    )
+    sync.add_argument("--metrics-host", default="0.0.0.0", help="Address for the metrics server.")  # noqa: S104 - in-pod sidecar
+    sync.add_argument("--once", action="store_true", help="Run one cycle and exit (exit 1 if it failed).")
+    sync.set_defaults(func=_lmcache_sync)
+
+    launch = sub.add_parser(
+        "launch", help="Start LMCache (if the pool has CPU/NVMe tiers), vLLM and the quota sync."
+    )
+    _add_config_args(launch)
+    launch.add_argument("--model", required=True, help="Model folder or name for vLLM.")
+    launch.add_argument("--host", default="127.0.0.1")
+    launch.add_argument("--port", type=int, default=8000, help="vLLM OpenAI port.")
+    launch.add_argument(
+        "--lmcache-port", type=int, default=5555, help="LMCache ZMQ port (vLLM connects here)."
+    )
+    launch.add_argument("--lmcache-http-port", type=int, default=8080, help="LMCache HTTP API port.")
+    launch.add_argument("--nvme-dir", default=None, help="Folder for LMCache's NVMe (L2) tier.")
+    launch.add_argument(
+        "--cpu-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE for the CPU build."
+    )
+    launch.add_argument(
+        "--metrics-port", type=int, default=None, help="Port for the sync's kvfleet_lmcache_* metrics."
+    )
+    launch.add_argument("--startup-timeout", type=float, default=900.0)
+    launch.add_argument(
+        "--state-dir", type=Path, default=None, help="Logs and vLLM caches (default: a temp dir)."
+    )
+    launch.add_argument("vllm_args", nargs=argparse.REMAINDER, help="Extra vLLM arguments after '--'.")
+    launch.set_defaults(func=_launch)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, required=True, help="Tenant table (tenants.json).")
+    p.add_argument("--keys", type=Path, required=True, help="Key file (keys.json) with the salt key.")
+    p.add_argument("--pool", default=None, help="Pool this engine serves (default: all pools).")
+
+
+def _build_tiny_model(args: argparse.Namespace) -> int:
+    print(build_tiny_model(args.dest))
+    return 0
+
+
+def _lmcache_sync(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watcher = ls.ConfigWatcher(args.config, args.keys)
+    if not watcher.refresh():
+        print(f"cannot load {args.config} / {args.keys}", file=sys.stderr)
+        return 2
+    metrics = ls.LMCacheSyncMetrics()
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    if args.once:
+        return asyncio.run(_sync_once(watcher, args.pool, args.endpoint, metrics))
+    asyncio.run(_run_until_signal(watcher, args.pool, args.endpoint, args.interval, metrics))
+    return 0
+
+
+async def _sync_once(watcher: Any, pool: str | None, endpoints: list[str], metrics: Any) -> int:
+    desired = ls.compute_salt_quotas(watcher.table, watcher.keys, pool)
+    failed = 0
+    for url in endpoints or ls.endpoints_for(watcher.table, pool):
+        state = ls.EndpointState(ls.LMCacheClient(url))
+        try:
+            plan = await ls.apply_lmcache_sync(state, desired, metrics)
+            print(f"{url}: put={dict(plan.put)} delete={list(plan.delete)} clear_l1={plan.clear_l1}")
+        except Exception as exc:  # noqa: BLE001 - report every endpoint, then fail
+            print(f"{url}: {exc}", file=sys.stderr)
+            failed += 1
+        finally:
+            await state.client.close()
+    return 1 if failed else 0
+
+
+async def _run_until_signal(
+    watcher: Any, pool: str | None, endpoints: list[str], interval: float, metrics: Any
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await ls.run_lmcache_sync(
+        watcher, pool=pool, endpoints=endpoints, interval_s=interval, metrics=metrics, stop=stop
+    )
+
+
+def _launch(args: argparse.Namespace) -> int:
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    table, keys = TenantTable.load(args.config), KeyFile.load(args.keys)
+    KeyFile.model_validate(keys)
+    pool = args.pool or next(iter(table.pools))
+    vllm, lmc = launcher.build_pool_engine_settings(
+        table,
+        pool,
+        model=args.model,
+        vllm_port=args.port,
+        lmcache_port=args.lmcache_port,
+        lmcache_http_port=args.lmcache_http_port,
+        nvme_dir=args.nvme_dir,
+        host=args.host,
+    )
+    extra = [a for a in args.vllm_args if a != "--"]
+    if extra or args.cpu_kv_gib is not None:
+        vllm = replace(
+            vllm,
+            extra_args=tuple(extra),
+            cpu_kv_cache_gib=args.cpu_kv_gib if args.cpu_kv_gib is not None else vllm.cpu_kv_cache_gib,
+        )
+    state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="kvfleet-engine-"))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[launcher.EngineProcess] = []
+    try:
+        if lmc is not None:
+            proc = launcher.EngineProcess(
+                "lmcache", launcher.build_lmcache_args(lmc), os.environ, state_dir / "lmcache.log"
+            )
+            procs.append(proc)
+            proc.wait_ready(f"http://{lmc.host}:{lmc.http_port}/healthcheck", args.startup_timeout)
+        env = launcher.build_vllm_env(vllm, os.environ, state_dir)
+        proc = launcher.EngineProcess("vllm", launcher.build_vllm_args(vllm), env, state_dir / "vllm.log")
+        procs.append(proc)
+        waited = proc.wait_ready(f"http://{vllm.host}:{vllm.port}/health", args.startup_timeout)
+        print(
+            f"vLLM ready on http://{vllm.host}:{vllm.port} after {waited:.0f}s (logs in {state_dir})",
+            flush=True,
+        )
+        if lmc is None:
+            procs[-1].proc.wait()
+            return int(procs[-1].proc.returncode or 0)
+        watcher = ls.ConfigWatcher(args.config, args.keys)
+        metrics = ls.LMCacheSyncMetrics()
+        if args.metrics_port is not None:
+            start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
+        endpoint = f"http://{lmc.host}:{lmc.http_port}"
+        asyncio.run(_run_until_signal(watcher, pool, [endpoint], 2.0, metrics))
+        return 0
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
