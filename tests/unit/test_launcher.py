@@ -1,0 +1,128 @@
+"""The pure command-line builders of kvfleet_runtime.engine.launcher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfleet_runtime.config import Isolation, KVQuota, PoolEntry, SlaTier, TenantEntry, TenantTable
+from kvfleet_runtime.engine.launcher import (
+    LMCacheConnection,
+    LMCacheSettings,
+    VllmSettings,
+    build_kv_transfer_config,
+    build_lmcache_args,
+    build_pool_engine_settings,
+    build_vllm_args,
+    build_vllm_env,
+    compute_max_model_len,
+)
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_vllm_args_carry_the_flags_the_tests_rely_on() -> None:
+    s = VllmSettings(
+        model="/m", port=9000, served_model_name="tiny", num_gpu_blocks_override=64, max_model_len=2016
+    )
+    args = build_vllm_args(s, python="py")
+    assert args[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(args, "--block-size") == "32"
+    assert _flag(args, "--scheduling-policy") == "priority"
+    assert _flag(args, "--num-gpu-blocks-override") == "64"
+    assert _flag(args, "--max-model-len") == "2016"
+    assert _flag(args, "--host") == "127.0.0.1"
+    assert "--enable-prefix-caching" in args
+    assert "--enable-prompt-tokens-details" in args
+    assert "--kv-transfer-config" not in args
+
+
+def test_vllm_args_connect_lmcache_in_lmcache_driven_mode() -> None:
+    s = VllmSettings(model="/m", port=1, lmcache=LMCacheConnection("127.0.0.1", 5600))
+    config = json.loads(_flag(build_vllm_args(s), "--kv-transfer-config"))
+    assert config == build_kv_transfer_config(LMCacheConnection("127.0.0.1", 5600))
+    assert config["kv_connector"] == "LMCacheMPConnector"
+    extra = config["kv_connector_extra_config"]
+    assert extra["lmcache.mp.port"] == 5600
+    assert extra["lmcache.mp.host"] == "tcp://127.0.0.1"
+    assert extra["lmcache.mp.mp_transfer_mode"] == "lmcache_driven"
+
+
+def test_block_size_must_be_a_multiple_of_32() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        VllmSettings(model="/m", port=1, block_size=16)
+
+
+def test_vllm_env_isolates_caches(tmp_path: Path) -> None:
+    s = VllmSettings(model="/m", port=1, cpu_kv_cache_gib=0.5, extra_env={"X": "1"})
+    env = build_vllm_env(s, {"PATH": "/bin"}, tmp_path)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
+    for name in ("VLLM_CACHE_ROOT", "HF_HOME", "TMPDIR"):
+        assert Path(env[name]).is_dir() and Path(env[name]).is_relative_to(tmp_path)
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["X"] == "1" and env["PATH"] == "/bin"
+
+
+def test_max_model_len_fits_the_block_override() -> None:
+    assert compute_max_model_len(64, 32, 8192) == 63 * 32
+    assert compute_max_model_len(10_000, 32, 8192) == 8192
+    assert compute_max_model_len(1, 32, 8192) == 32
+
+
+def test_lmcache_args_cpu_lru_and_nvme_isolated_lru() -> None:
+    s = LMCacheSettings(port=5555, http_port=8080, cpu_size_gb=0.25, nvme_dir="/nvme")
+    args = build_lmcache_args(s, python="py")
+    assert args[:4] == ["py", "-m", "lmcache.cli.main", "server"]
+    assert _flag(args, "--eviction-policy") == "LRU"  # L1 cannot run IsolatedLRU
+    assert _flag(args, "--l1-size-gb") == "0.25"
+    assert _flag(args, "--http-port") == "8080"
+    adapter = json.loads(_flag(args, "--l2-adapter"))
+    assert adapter["type"] == "fs" and adapter["base_path"] == "/nvme"
+    assert adapter["eviction"]["eviction_policy"] == "IsolatedLRU"
+    assert "--l2-adapter" not in build_lmcache_args(LMCacheSettings(port=1, http_port=2))
+
+
+def _table(cpu: int, nvme: int) -> TenantTable:
+    t = TenantEntry(
+        name="a",
+        tier=SlaTier.BASIC,
+        priority=20,
+        isolation=Isolation.SALTED,
+        salt_id="a",
+        pool="p",
+        models=["m"],
+        quota=KVQuota(hbm_blocks=1, hbm_burst_blocks=2),
+    )
+    pool = PoolEntry(
+        name="p",
+        block_size=64,
+        hbm_blocks_per_replica=500,
+        cpu_bytes_per_replica=cpu,
+        nvme_bytes_per_replica=nvme,
+    )
+    return TenantTable(
+        model_deployment="ns/m", served_model_name="m", pool_salt_id="x", pools={"p": pool}, tenants={"a": t}
+    )
+
+
+def test_pool_settings_follow_the_tenant_table() -> None:
+    vllm, lmc = build_pool_engine_settings(
+        _table(2 << 30, 8 << 30),
+        "p",
+        model="/m",
+        vllm_port=1,
+        lmcache_port=2,
+        lmcache_http_port=3,
+        nvme_dir="/n",
+    )
+    assert vllm.block_size == 64 and vllm.num_gpu_blocks_override == 500 and vllm.served_model_name == "m"
+    assert lmc is not None and lmc.cpu_size_gb == 2.0 and lmc.nvme_dir == "/n"
+    assert vllm.lmcache == LMCacheConnection("127.0.0.1", 2)
+    vllm, lmc = build_pool_engine_settings(
+        _table(0, 0), "p", model="/m", vllm_port=1, lmcache_port=2, lmcache_http_port=3, nvme_dir="/n"
+    )
+    assert lmc is None and vllm.lmcache is None
