@@ -113,15 +113,18 @@ def check_victims(
         }
         over = {e.tenant for e in unpinned.values() if usage[e.tenant] > policy.limits(e.tenant).quota}
         victim_tenant_within_quota = usage[victim.tenant] <= policy.limits(victim.tenant).quota
-        is_burst_self_eviction = (
+        requester_over_burst = (
             requester is not None
-            and victim.tenant == requester
-            and victim.reason is EvictionReason.OVER_QUOTA
-            and usage[requester] + incoming > policy.limits(requester).burst
+            and usage.get(requester, 0) + incoming > policy.limits(requester).burst
+            and any(e.tenant == requester for e in unpinned.values())
         )
-        if is_burst_self_eviction:
+        if requester_over_burst:
+            # Stage 0: the requester recycles its own least recently used entry.
+            assert victim.tenant == requester
             own = [e.last_use for e in unpinned.values() if e.tenant == requester]
             assert entry.last_use == min(own)
+            expected = EvictionReason.TTL if victim.key in expired else EvictionReason.OVER_QUOTA
+            assert victim.reason is expected
         elif expired:
             assert victim.reason is EvictionReason.TTL
             assert victim.key in expired

@@ -22,7 +22,8 @@ over quota and goes first: LMCache's allowlist semantics).
 Victim order (``select_victims`` / ``make_room``), one victim at a time:
 
 0. (only with ``requester``) if the requesting tenant would exceed its burst cap, its own LRU entries
-   (reason ``over_quota``): a tenant at its burst cap recycles its own cache instead of taking others'.
+   (reason ``over_quota``, or ``ttl`` if that entry is also expired): a tenant at its burst cap recycles
+   its own cache instead of taking others'.
 1. ``ttl``: unpinned entries idle longer than their tenant's TTL for this tier, oldest ``last_use`` first.
 2. ``over_quota``: the least recently used entry of the tenant furthest above its quota. Ranking: tenants
    above their burst cap first, then by ``(usage - quota) / quota`` (quota 0 counts as infinitely over),
@@ -394,7 +395,11 @@ class TierPolicy:
             victim: Victim | None = None
             # Stage 0: a requester that would end above its burst cap recycles its own entries first.
             if own is not None and own.lru and own.size + incoming > own.limits.burst:
-                victim = selection.evict_head(own, EvictionReason.OVER_QUOTA)
+                head = next(iter(own.lru.values()))
+                expired = now - head.last_use > own.limits.ttl_seconds
+                victim = selection.evict_head(
+                    own, EvictionReason.TTL if expired else EvictionReason.OVER_QUOTA
+                )
             if victim is None:
                 # The first victim by a scan over the tenants' heads (cheaper than building heaps when
                 # one entry is needed, the common case); further victims of the same call via heaps.

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -273,7 +274,8 @@ class _Fleet:
 
     def _tier(self, tier: KVTier, capacity: int, tenants: Sequence[TenantSpec]) -> TierPolicy:
         if not self.policy.governed:
-            everyone = TenantLimits(quota=capacity, burst=capacity, ttl_seconds=math.inf)
+            # Plain LRU through the same core: nobody is ever over quota, over burst or expired.
+            everyone = TenantLimits(quota=capacity, burst=sys.maxsize, ttl_seconds=math.inf)
             return TierPolicy(tier, capacity, default_limits=everyone)
         limits = {}
         for t in tenants:
