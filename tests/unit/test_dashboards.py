@@ -1,0 +1,251 @@
+"""The dashboards as code: committed JSON is fresh, every metric a panel, variable or alert reads is
+defined in the code (kvfleet's registries, the installed vLLM's source), every query parses (promtool),
+and each dashboard has what the issue asks for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from devcluster import find_binary
+from devcluster.binaries import PROMETHEUS_COMMAND
+from kvfleet_dashboards import catalog
+from kvfleet_dashboards.alerts import ALERTS
+from kvfleet_dashboards.dashboards import (
+    ALL_DASHBOARDS,
+    FLEET,
+    KV_TIERS,
+    OPERATOR,
+    TENANT_DASHBOARD,
+    TTFT_SLO_SECONDS,
+    DashboardSpec,
+    dashboard_queries,
+    render_dashboard,
+    variable_queries,
+)
+from kvfleet_dashboards.outputs import build_outputs, stale_outputs
+from kvfleet_dashboards.promql import metric_names, substitute_grafana_variables
+
+from conftest import missing_component
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _all_exprs() -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel query, variable query and alert expression."""
+    out = []
+    for spec in ALL_DASHBOARDS:
+        out += [(f"{spec.uid}: {title}", expr) for title, expr in dashboard_queries(spec)]
+        out += [(f"{spec.uid}: variable", expr) for expr in variable_queries(spec)]
+    out += [(f"alert {a.name}", a.expr) for a in ALERTS]
+    return out
+
+
+def _known_names() -> frozenset[str]:
+    try:
+        vllm = catalog.vllm_metric_names()
+    except ModuleNotFoundError:
+        missing_component("vLLM (for its metric definitions)", "hack/install-engine.sh")
+    return catalog.kvfleet_metric_names() | vllm
+
+
+def test_committed_dashboards_rules_and_chart_files_are_fresh() -> None:
+    stale = [str(p.relative_to(REPO)) for p in stale_outputs()]
+    assert not stale, f"stale generated files {stale}: run PYTHONPATH=dashboards python -m kvfleet_dashboards"
+
+
+def test_the_chart_ships_exactly_the_generated_dashboards() -> None:
+    generated = {p.name for p in build_outputs() if p.parent == REPO / "dashboards" / "json"}
+    shipped = {p.name for p in (REPO / "charts" / "kvfleet" / "files" / "dashboards").glob("*.json")}
+    assert generated == shipped == {"fleet.json", "tenant.json", "kv-tiers.json", "operator.json"}
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        ("vllm:kv_cache_usage_perc", {"vllm:kv_cache_usage_perc"}),
+        (
+            'histogram_quantile(0.99, sum by (le, tenant) (rate(x_bucket{t=~"$t"}[$__rate_interval])))',
+            {"x_bucket"},
+        ),
+        ("sum(rate(a_total[5m])) / on (pod) group_left(node) b > bool 0.5", {"a_total", "b"}),
+        ('time() - last_success{endpoint="e"} offset 5m', {"last_success"}),
+        ('label_replace(up, "x", "$1", "job", "(.*)") unless absent(y)', {"up", "y"}),
+        ("max_over_time(c[1h:5m]) and ignoring (instance) d", {"c", "d"}),
+    ],
+)
+def test_metric_names_are_extracted_from_promql(expr: str, names: set[str]) -> None:
+    assert metric_names(expr) == names
+
+
+def test_vllm_metric_names_come_from_its_source() -> None:
+    source = (
+        'x = self._counter_cls(\n    name="vllm:foo",\n)\ny = self._histogram_cls(name="vllm:bar_seconds")'
+    )
+    assert catalog.parse_vllm_metric_names(source) == {
+        "vllm:foo_total",
+        "vllm:foo_created",
+        "vllm:bar_seconds_bucket",
+        "vllm:bar_seconds_sum",
+        "vllm:bar_seconds_count",
+        "vllm:bar_seconds_created",
+    }
+
+
+def test_every_metric_a_panel_variable_or_alert_reads_is_defined_in_code() -> None:
+    known = _known_names()
+    undefined = {
+        (where, name) for where, expr in _all_exprs() for name in metric_names(expr) if name not in known
+    }
+    assert not undefined, f"metrics not defined by kvfleet's registries or vLLM: {sorted(undefined)}"
+
+
+def test_an_undefined_metric_is_caught() -> None:
+    """The check above can fail: a typo'd name is not in the catalog."""
+    known = _known_names()
+    assert "kvfleet_gateway_requests_totl" not in known
+    assert "vllm:kv_cache_usage_percent" not in known
+    assert metric_names("rate(kvfleet_gateway_requests_totl[5m])") - known == {
+        "kvfleet_gateway_requests_totl"
+    }
+
+
+def _promtool() -> str:
+    path = find_binary("promtool")
+    if path is None:
+        missing_component("promtool", PROMETHEUS_COMMAND)
+    return str(path)
+
+
+def _check_as_rules(tmp_path: Path, exprs: list[str]) -> subprocess.CompletedProcess[str]:
+    rules = [{"record": f"kvfleet:panel_query_{i}", "expr": e} for i, e in enumerate(exprs)]
+    path = tmp_path / "panel-queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    return subprocess.run(
+        [_promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_every_panel_query_parses(tmp_path: Path) -> None:
+    """promtool parses each panel query (Grafana's variables substituted) as a recording rule."""
+    values = {"model": ".*", "tenant": ".*", "datasource": "prometheus"}
+    exprs = [substitute_grafana_variables(e, values) for _, e in _all_exprs() if "label_values" not in e]
+    exprs += [
+        substitute_grafana_variables(e, values) for spec in ALL_DASHBOARDS for e in variable_queries(spec)
+    ]
+    assert all("$" not in e for e in exprs), [e for e in exprs if "$" in e]
+    done = _check_as_rules(tmp_path, exprs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in done.stdout
+
+
+def test_a_broken_query_is_caught_by_promtool(tmp_path: Path) -> None:
+    done = _check_as_rules(tmp_path, ["sum by (le (rate(x[5m]))"])
+    assert done.returncode != 0
+
+
+def _panels(spec: DashboardSpec) -> list[dict[str, object]]:
+    board = json.loads(render_dashboard(spec))
+    return [p for p in board["panels"] if p["type"] != "row"]
+
+
+def test_dashboards_have_stable_unique_uids_and_a_datasource_variable() -> None:
+    uids = [spec.uid for spec in ALL_DASHBOARDS]
+    assert uids == ["kvfleet-fleet", "kvfleet-tenant", "kvfleet-kv-tiers", "kvfleet-operator"]
+    for spec in ALL_DASHBOARDS:
+        board = json.loads(
+            (REPO / "dashboards" / "json" / f"{spec.uid.removeprefix('kvfleet-')}.json").read_text()
+        )
+        assert board["uid"] == spec.uid
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert variables["datasource"]["query"] == "prometheus"
+        for panel in _panels(spec):
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+
+
+def test_tenant_and_model_variables() -> None:
+    for spec in (FLEET, TENANT_DASHBOARD, KV_TIERS):
+        names = {v["name"] for v in json.loads(render_dashboard(spec))["templating"]["list"]}
+        assert "model" in names
+    for spec in (TENANT_DASHBOARD, KV_TIERS):
+        names = {v["name"] for v in json.loads(render_dashboard(spec))["templating"]["list"]}
+        assert "tenant" in names
+
+
+def test_rates_use_rate_interval() -> None:
+    for spec in ALL_DASHBOARDS:
+        for title, expr in dashboard_queries(spec):
+            if "rate(" in expr:
+                assert "[$__rate_interval]" in expr, (spec.uid, title)
+                assert "[5m]" not in expr and "[1m]" not in expr, (spec.uid, title)
+
+
+def test_tenant_panels_filter_by_the_tenant_variable() -> None:
+    for title, expr in dashboard_queries(TENANT_DASHBOARD):
+        assert 'tenant=~"$tenant"' in expr, title
+
+
+def test_ttft_panels_draw_the_slo_as_a_line() -> None:
+    ttft = [
+        p
+        for spec in ALL_DASHBOARDS
+        for p in _panels(spec)
+        if "TTFT" in str(p["title"]) or "first token" in str(p["title"])
+    ]
+    assert len(ttft) >= 2
+    for panel in ttft:
+        defaults = panel["fieldConfig"]["defaults"]  # type: ignore[index]
+        assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+        assert TTFT_SLO_SECONDS in [s["value"] for s in defaults["thresholds"]["steps"]]
+        assert defaults["unit"] == "s"
+
+
+@pytest.mark.parametrize(
+    ("spec", "wanted"),
+    [
+        (
+            FLEET,
+            [
+                "Requests",
+                "Tokens per second",
+                "Time to first token",
+                "KV cache usage per replica",
+                "Prefix cache hit rate",
+                "LMCache hit rate",
+                "Preemptions",
+            ],
+        ),
+        (
+            TENANT_DASHBOARD,
+            [
+                "Prefix hit rate per tenant",
+                "TTFT p50 / p99 per tenant",
+                "Throttled requests",
+                "quota utilisation per tier",
+                "TTL expiries",
+            ],
+        ),
+        (
+            KV_TIERS,
+            [
+                "HBM",
+                "CPU tier occupancy per tenant",
+                "NVMe tier occupancy per tenant",
+                "TTL expiries",
+                "Restores",
+            ],
+        ),
+        (OPERATOR, ["Reconciles", "Reconcile errors", "Reconcile duration", "Tenants by tier and isolation"]),
+    ],
+    ids=["fleet", "tenant", "kv-tiers", "operator"],
+)
+def test_each_dashboard_has_the_panels_the_issue_lists(spec: DashboardSpec, wanted: list[str]) -> None:
+    titles = [str(p["title"]) for p in _panels(spec)]
+    for want in wanted:
+        assert any(want.lower() in t.lower() for t in titles), (
+            f"{spec.uid}: no panel about {want!r}: {titles}"
+        )
