@@ -1,0 +1,311 @@
+"""charts/kvfleet without a cluster: the schema accepts the defaults and rejects typos, wrong types and
+negative replicas; ``helm lint`` and ``helm template`` are clean; the rendered objects are what the issue
+asks for (RBAC least privilege and its two scopes, Recreate, restricted security context, probes, CRDs
+kept on uninstall, monitoring objects only with their API, one dashboard ConfigMap per dashboard)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from devcluster import find_binary
+from kvfleet_dashboards.chart import parse_values_docs
+from kvfleet_dashboards.dashboards import ALL_DASHBOARDS
+
+from conftest import missing_component
+from kvfleet_operator.k8s import kinds
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvfleet"
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+VALUES_TEXT = (CHART / "values.yaml").read_text()
+VALUES = yaml.safe_load(VALUES_TEXT)
+MONITORING = ("--api-versions", "monitoring.coreos.com/v1")
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    path = find_binary("helm")
+    if path is None:
+        missing_component("helm", "hack/build-cluster.sh")
+    return subprocess.run([str(path), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    done = helm("template", "kvfleet", str(CHART), "-n", "kvfleet-system", *args)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def only(docs: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
+    return found[0]
+
+
+def errors(values: dict[str, Any]) -> list[str]:
+    return [e.message for e in jsonschema.Draft202012Validator(SCHEMA).iter_errors(values)]
+
+
+# --- values.yaml and the schema (no helm needed) -----------------------------------------------------------
+def test_defaults_validate_and_every_object_forbids_unknown_keys() -> None:
+    assert errors(VALUES) == []
+
+    def walk(node: dict[str, Any], where: str) -> None:
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{where} accepts unknown keys"
+        for key, child in node.get("properties", {}).items():
+            assert child.get("description"), f"{where}.{key} has no description"
+            walk(child, f"{where}.{key}")
+
+    walk(SCHEMA, "values")
+
+
+def test_every_value_is_documented_and_in_the_schema() -> None:
+    docs = parse_values_docs(VALUES_TEXT, SCHEMA)
+    assert len(docs) >= 40
+    for doc in docs:
+        assert len(doc.description.split()) >= 3, f"{doc.path}: document it in a sentence"
+        node = SCHEMA
+        for part in doc.path.split("."):
+            assert part in node.get("properties", {}), f"{doc.path} is not in values.schema.json"
+            node = node["properties"][part]
+
+
+def test_an_undocumented_value_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"operator\.newKnob has no comment"):
+        parse_values_docs(VALUES_TEXT.replace("  replicas: 1\n", "  replicas: 1\n  newKnob: 2\n"), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"replica": 1}}, "Additional properties are not allowed ('replica' was unexpected)"),
+        ({"operator": {"replicas": "one"}}, "'one' is not of type 'integer'"),
+        ({"operator": {"replicas": -1}}, "-1 is less than the minimum of 0"),
+        ({"operator": {"replicas": 2}}, "2 is greater than the maximum of 1"),
+        ({"dashboards": {"enabled": "yes"}}, "'yes' is not of type 'boolean'"),
+        ({"image": {"repository": "x", "tag": "latest"}}, "should not be valid"),
+        ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "does not match"),
+        ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "does not match"),
+    ],
+)
+def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
+    merged = json.loads(json.dumps(VALUES))
+    for key, sub in values.items():
+        merged[key] = {**merged.get(key, {}), **sub}
+    found = errors(merged)
+    assert any(message in e for e in found), found
+
+
+# --- helm lint / template ---------------------------------------------------------------------------------
+def test_helm_lint_is_clean() -> None:
+    for extra in ((), ("--set", "operator.watchNamespaces={a,b}"), MONITORING):
+        done = helm("lint", "--strict", str(CHART), *extra)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "0 chart(s) failed" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--set", "operator.replica=1"), "additional properties 'replica' not allowed"),
+        (("--set", "operator.replicas=-1"), "minimum"),
+        (("--set-string", "operator.replicas=1"), "want integer"),
+        (("--set", "crds.keep=maybe"), "want boolean"),
+    ],
+)
+def test_helm_template_rejects_bad_values_with_the_schema_message(
+    args: tuple[str, ...], message: str
+) -> None:
+    done = helm("template", "kvfleet", str(CHART), *args)
+    assert done.returncode != 0
+    assert "values don't meet the specifications of the schema" in done.stderr
+    assert message in done.stderr, done.stderr
+
+
+def test_default_render_objects() -> None:
+    docs = render()
+    kinds_rendered = sorted({d["kind"] for d in docs})
+    assert kinds_rendered == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "CustomResourceDefinition",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+    ]
+    for doc in docs:
+        labels = doc["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/instance") == "kvfleet", doc["metadata"]["name"]
+
+
+def test_monitoring_objects_only_with_their_api() -> None:
+    names = {d["kind"] for d in render()}
+    assert "ServiceMonitor" not in names and "PrometheusRule" not in names
+    docs = render(*MONITORING)
+    monitor = only(docs, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    rule = only(docs, "PrometheusRule")
+    shipped = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["spec"] == shipped
+    off = render(*MONITORING, "--set", "prometheusRule.enabled=false,metrics.serviceMonitor.enabled=false")
+    assert not {"ServiceMonitor", "PrometheusRule"} & {d["kind"] for d in off}
+
+
+def test_operator_deployment() -> None:
+    deployment = only(render(), "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/kvfleet/kvfleet:0.1.0"
+    assert container["args"] == [
+        "operator",
+        "--all-namespaces",
+        "--metrics-port=8081",
+        "--probe-address=0.0.0.0:8080",
+    ]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "probe"}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 8081, "probe": 8080}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["KVFLEET_ENGINE_IMAGE"] == "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
+    assert env["KVFLEET_GATEWAY_IMAGE"] == "ghcr.io/kvfleet/kvfleet:0.1.0"
+    assert env["KVFLEET_RESYNC_SECONDS"] == "30"
+    assert container["resources"] == {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "512Mi"},
+    }
+
+
+def test_images_are_pinned() -> None:
+    for key in ("image", "gatewayImage", "engineImage"):
+        tag = VALUES[key]["tag"]
+        assert tag and tag != "latest" and tag[0].isdigit(), f"{key}.tag {tag!r} is not a pinned version"
+    engine = (REPO / "images" / "engine" / "Dockerfile").read_text()
+    assert "FROM vllm/vllm-openai:v0." in engine
+    operator = (REPO / "images" / "kvfleet" / "Dockerfile").read_text()
+    assert "USER 10001" in operator and '".[operator]"' in operator
+
+
+def _rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [rule for d in docs if d["kind"] == kind for rule in d["rules"]]
+
+
+def _grants(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def test_rbac_has_no_wildcards_and_covers_every_kind_the_operator_touches() -> None:
+    docs = render()
+    rules = _rules(docs, "ClusterRole")
+    for rule in rules:
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule
+    grants = _grants(rules)
+    child_verbs = {"get", "list", "watch", "create", "patch", "delete"}
+    for kind in kinds.CHILD_KINDS:
+        assert grants[(kind.group, kind.plural)] == child_verbs, kind
+    for plural in ("modeldeployments", "tenants"):
+        assert grants[("kvfleet.io", plural)] == {"get", "list", "watch", "patch", "update"}
+        assert grants[("kvfleet.io", f"{plural}/status")] == {"get", "patch"}
+    assert grants[("", "events")] == grants[("events.k8s.io", "events")] == {"create", "patch"}
+    assert grants[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    # Nothing else: no pods, nodes, namespaces, cluster objects.
+    expected = (
+        {(k.group, k.plural) for k in kinds.CHILD_KINDS}
+        | {
+            ("kvfleet.io", p)
+            for p in ("modeldeployments", "tenants", "modeldeployments/status", "tenants/status")
+        }
+        | {("", "events"), ("events.k8s.io", "events"), ("apiextensions.k8s.io", "customresourcedefinitions")}
+    )
+    assert set(grants) == expected
+
+
+def test_without_monitoring_rbac_no_servicemonitor_rights() -> None:
+    grants = _grants(_rules(render("--set", "rbac.monitoring=false"), "ClusterRole"))
+    assert ("monitoring.coreos.com", "servicemonitors") not in grants
+
+
+def test_watch_namespaces_switches_to_roles_and_namespace_flags() -> None:
+    docs = render("--set", "operator.watchNamespaces={llm,llm-bank}")
+    roles = [d for d in docs if d["kind"] == "Role"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-bank"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["llm", "llm-bank"]
+    for binding in bindings:
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "kvfleet", "namespace": "kvfleet-system"}
+        ]
+    cluster = _grants(_rules(docs, "ClusterRole"))
+    assert set(cluster) == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+    assert ("", "secrets") not in cluster
+    args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=llm" in args and "--namespace=llm-bank" in args and "--all-namespaces" not in args
+
+
+def test_crds_are_templated_kept_on_uninstall_and_optional() -> None:
+    crds = [d for d in render() if d["kind"] == "CustomResourceDefinition"]
+    assert sorted(c["metadata"]["name"] for c in crds) == [
+        "modeldeployments.kvfleet.io",
+        "tenants.kvfleet.io",
+    ]
+    for crd in crds:
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        source = yaml.safe_load(
+            (REPO / "crds" / f"kvfleet.io_{crd['spec']['names']['plural']}.yaml").read_text()
+        )
+        assert crd["spec"] == source["spec"]
+    dropped = [d for d in render("--set", "crds.keep=false") if d["kind"] == "CustomResourceDefinition"]
+    assert all("annotations" not in d["metadata"] for d in dropped) and len(dropped) == 2
+    assert not [d for d in render("--set", "crds.install=false") if d["kind"] == "CustomResourceDefinition"]
+
+
+def test_one_dashboard_configmap_per_dashboard_with_configurable_sidecar_label() -> None:
+    docs = render(
+        "--set",
+        "dashboards.label=grafana_dash,dashboards.labelValue=yes,dashboards.folderAnnotation=k8s-folder,"
+        "dashboards.folder=LLM,dashboards.namespace=monitoring",
+    )
+    maps = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert len(maps) == len(ALL_DASHBOARDS)
+    uids = set()
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dash"] == "yes"
+        assert cm["metadata"]["annotations"] == {"k8s-folder": "LLM"}
+        assert cm["metadata"]["namespace"] == "monitoring"
+        ((name, text),) = cm["data"].items()
+        assert text == (REPO / "dashboards" / "json" / name).read_text().rstrip("\n")
+        uids.add(json.loads(text)["uid"])
+    assert uids == {spec.uid for spec in ALL_DASHBOARDS}
+    assert not [d for d in render("--set", "dashboards.enabled=false") if d["kind"] == "ConfigMap"]
+
+
+def test_notes_tell_what_to_apply_next() -> None:
+    done = helm("install", "kvfleet", str(CHART), "--dry-run", "-n", "kvfleet-system")
+    if done.returncode != 0 and "Kubernetes cluster unreachable" in done.stderr:
+        done = helm("install", "kvfleet", str(CHART), "--dry-run=client", "-n", "kvfleet-system")
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "examples/modeldeployment-qwen72b.yaml" in notes
+    assert "kubectl create secret generic bank-api-key" in notes
+    assert "kubectl get modeldeployments,tenants" in notes
