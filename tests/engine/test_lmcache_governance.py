@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from engine_helpers import LMCACHE_CHUNK_BYTES, SALT_KEY_HEX, keys, make_prompt, table, tenant
 
 from engine_fixtures import LMCacheServer, VllmServer, http_json
-from kvfleet_runtime.config import derive_cache_salt
+from kvfleet_runtime.config import derive_cache_salt, dump_json
 from kvfleet_runtime.engine.lmcache_sync import (
     EndpointState,
     LMCacheClient,
@@ -147,3 +150,54 @@ def test_removed_tenant_data_is_gone_from_every_tier(stack: Stack) -> None:
     stack.flush_vllm()
     _, kept = stack.cached(prompt_keep, salt_of("rk"))
     assert kept > 0
+
+
+def test_nvme_ttl_expiry_drops_an_idle_tenant_and_rearms_on_activity(stack: Stack) -> None:
+    """The NVMe TTL is enforced per salt by the sync (LMCache has no TTL): idle past it -> quota 0."""
+    big = 64 * LMCACHE_CHUNK_BYTES
+    idle, busy = tenant("ti", nvme_bytes=big, nvme_ttl=3.0), tenant("tb", nvme_bytes=big, nvme_ttl=3.0)
+    stack.sync(idle, busy)
+    stack.cached(make_prompt(next(_seeds)), salt_of("ti"))
+    stack.cached(make_prompt(next(_seeds)), salt_of("tb"))
+    assert wait_until(lambda: stack.usage(salt_of("ti")) > 0 and stack.usage(salt_of("tb")) > 0)
+    stack.sync(idle, busy)  # both seen active now
+    time.sleep(2.0)
+    stack.cached(make_prompt(next(_seeds)), salt_of("tb"))  # only "tb" stays active
+    time.sleep(1.5)
+    plan = stack.sync(idle, busy)
+    assert plan.expired_now == (salt_of("ti"),)
+    assert plan.put == {salt_of("ti"): 0}
+    assert wait_until(lambda: stack.usage(salt_of("ti")) == 0)
+    assert stack.usage(salt_of("tb")) > 0
+    # Activity re-arms the quota: new data is kept again.
+    stack.cached(make_prompt(next(_seeds)), salt_of("ti"))
+    plan = stack.sync(idle, busy)
+    assert plan.put == {salt_of("ti"): big}
+
+
+def test_sync_cli_once_applies_the_table(stack: Stack, tmp_path: Path) -> None:
+    tbl = table(tenant("cli", nvme_bytes=4 * LMCACHE_CHUNK_BYTES), lmcache_endpoints=[stack.lmcache.http_url])
+    (tmp_path / "tenants.json").write_text(dump_json(tbl))
+    (tmp_path / "keys.json").write_text(dump_json(keys("cli")))
+    files = ["--config", str(tmp_path / "tenants.json"), "--keys", str(tmp_path / "keys.json")]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvfleet_runtime",
+            "engine",
+            "lmcache-sync",
+            "--once",
+            "--pool",
+            "shared",
+            *files,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    listed = http_json("GET", stack.lmcache.http_url + "/quota")["users"]
+    assert set(listed) == {salt_of("cli")}
+    assert round(listed[salt_of("cli")]["limit_gb"] * (1 << 30)) == 4 * LMCACHE_CHUNK_BYTES

@@ -19,6 +19,7 @@ from kvfleet_runtime.engine.launcher import (
     build_vllm_env,
     compute_max_model_len,
 )
+from kvfleet_runtime.engine.restore_bench import Sample, render_markdown, summarize
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -126,3 +127,17 @@ def test_pool_settings_follow_the_tenant_table() -> None:
         _table(0, 0), "p", model="/m", vllm_port=1, lmcache_port=2, lmcache_http_port=3, nvme_dir="/n"
     )
     assert lmc is None and vllm.lmcache is None
+
+
+def test_restore_bench_summary_orders_states_and_counts_cached_tokens() -> None:
+    samples = [
+        Sample("cpu", 0.02, 100, 96),
+        Sample("cold", 0.10, 100, 0),
+        Sample("cold", 0.30, 100, 0),
+        Sample("hbm", 0.01, 100, 96),
+    ]
+    rows = summarize(samples)
+    assert [r.state for r in rows] == ["cold", "hbm", "cpu"]
+    assert rows[0].p50_ms == 200.0 and rows[0].cached_fraction == 0.0
+    assert rows[1].cached_fraction == 0.96
+    assert "| cold | 2 | 200 |" in render_markdown(rows)

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import start_http_server
 
 from kvfleet_runtime.config import KeyFile, TenantTable
-from kvfleet_runtime.engine import launcher
+from kvfleet_runtime.engine import launcher, restore_bench
 from kvfleet_runtime.engine import lmcache_sync as ls
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
 
@@ -48,6 +48,17 @@ def register(subparsers: Any) -> None:
     sync.add_argument("--metrics-host", default="0.0.0.0", help="Address for the metrics server.")  # noqa: S104 - in-pod sidecar
     sync.add_argument("--once", action="store_true", help="Run one cycle and exit (exit 1 if it failed).")
     sync.set_defaults(func=_lmcache_sync)
+
+    bench = sub.add_parser(
+        "bench-restore", help="Time TTFT with KV from nowhere, vLLM's cache, LMCache CPU and LMCache NVMe."
+    )
+    bench.add_argument(
+        "--model", default=None, help="Model folder (default: the tiny model, built if needed)."
+    )
+    bench.add_argument("--rounds", type=int, default=5)
+    bench.add_argument("--words", type=int, default=700, help="Prompt length in words (~2 tokens each).")
+    bench.add_argument("--json-out", type=Path, default=None, help="Write the raw samples here.")
+    bench.set_defaults(func=_bench_restore)
 
     launch = sub.add_parser(
         "launch", help="Start LMCache (if the pool has CPU/NVMe tiers), vLLM and the quota sync."
@@ -83,6 +94,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _build_tiny_model(args: argparse.Namespace) -> int:
     print(build_tiny_model(args.dest))
+    return 0
+
+
+def _bench_restore(args: argparse.Namespace) -> int:
+    model = args.model or str(build_tiny_model())
+    print(restore_bench.main_bench(model, args.rounds, args.words, args.json_out))
     return 0
 
 
