@@ -300,6 +300,9 @@ def build_apiserver_args(apiserver: Path, pki: Pki, etcd_url: str, port: int, ce
         f"--etcd-servers={etcd_url}",
         "--bind-address=127.0.0.1",
         "--advertise-address=127.0.0.1",
+        # The endpoint reconciler refuses a loopback advertise address; nothing in the cluster needs the
+        # endpoints of the `kubernetes` Service (kwok's pods run no code).
+        "--endpoint-reconciler-type=none",
         f"--secure-port={port}",
         f"--cert-dir={cert_dir}",
         f"--tls-cert-file={pki.server_cert}",
