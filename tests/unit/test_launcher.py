@@ -18,6 +18,7 @@ from kvfleet_runtime.engine.launcher import (
     build_vllm_args,
     build_vllm_env,
     compute_max_model_len,
+    read_model_max_len,
 )
 from kvfleet_runtime.engine.restore_bench import Sample, render_markdown, summarize
 
@@ -123,10 +124,28 @@ def test_pool_settings_follow_the_tenant_table() -> None:
     assert vllm.block_size == 64 and vllm.num_gpu_blocks_override == 500 and vllm.served_model_name == "m"
     assert lmc is not None and lmc.cpu_size_gb == 2.0 and lmc.nvme_dir == "/n"
     assert vllm.lmcache == LMCacheConnection("127.0.0.1", 2)
+    assert vllm.max_model_len is None
+    vllm, _ = build_pool_engine_settings(
+        _table(0, 0),
+        "p",
+        model="/m",
+        vllm_port=1,
+        lmcache_port=2,
+        lmcache_http_port=3,
+        nvme_dir=None,
+        model_max_len=8192,
+    )
+    assert vllm.max_model_len == 8192  # 499 usable blocks x 64 tokens > 8192
     vllm, lmc = build_pool_engine_settings(
         _table(0, 0), "p", model="/m", vllm_port=1, lmcache_port=2, lmcache_http_port=3, nvme_dir="/n"
     )
     assert lmc is None and vllm.lmcache is None
+
+
+def test_read_model_max_len(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    assert read_model_max_len(str(tmp_path)) == 4096
+    assert read_model_max_len(str(tmp_path / "missing")) is None
 
 
 def test_restore_bench_summary_orders_states_and_counts_cached_tokens() -> None:

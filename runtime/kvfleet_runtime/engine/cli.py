@@ -161,6 +161,7 @@ def _launch(args: argparse.Namespace) -> int:
         lmcache_http_port=args.lmcache_http_port,
         nvme_dir=args.nvme_dir,
         host=args.host,
+        model_max_len=launcher.read_model_max_len(args.model),
     )
     extra = [a for a in args.vllm_args if a != "--"]
     if extra or args.cpu_kv_gib is not None:

@@ -202,13 +202,19 @@ def build_pool_engine_settings(
     lmcache_http_port: int,
     nvme_dir: str | None,
     host: str = "127.0.0.1",
+    model_max_len: int | None = None,
 ) -> tuple[VllmSettings, LMCacheSettings | None]:
     """vLLM and LMCache settings for one replica of ``pool_name`` in ``table``.
 
     The pool's HBM block count becomes ``--num-gpu-blocks-override`` (the KV cache the operator sized);
-    a pool with CPU or NVMe bytes gets an LMCache server sized from them.
+    a pool with CPU or NVMe bytes gets an LMCache server sized from them. With ``model_max_len`` (the
+    model's context length) ``--max-model-len`` is capped to what that cache can hold.
     """
     pool: PoolEntry = table.pools[pool_name]
+    blocks = pool.hbm_blocks_per_replica or None
+    max_len = None
+    if blocks is not None and model_max_len is not None:
+        max_len = compute_max_model_len(blocks, pool.block_size, model_max_len)
     lmcache: LMCacheSettings | None = None
     if pool.cpu_bytes_per_replica or pool.nvme_bytes_per_replica:
         lmcache = LMCacheSettings(
@@ -224,10 +230,21 @@ def build_pool_engine_settings(
         host=host,
         served_model_name=table.served_model_name,
         block_size=pool.block_size,
-        num_gpu_blocks_override=pool.hbm_blocks_per_replica or None,
+        num_gpu_blocks_override=blocks,
+        max_model_len=max_len,
         lmcache=LMCacheConnection(host=host, port=lmcache_port) if lmcache else None,
     )
     return vllm, lmcache
+
+
+def read_model_max_len(model: str) -> int | None:
+    """``max_position_embeddings`` of a local HF model folder, or ``None`` when it cannot be read."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
 
 
 def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> float:
