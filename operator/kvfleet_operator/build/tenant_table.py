@@ -74,10 +74,7 @@ def resolve_architecture(md: ModelDeployment) -> ModelArchitecture:
             "starts, so it cannot size the KV cache for quota admission; set spec.model.architecture."
             "preset or the explicit fields (kvfleet plan --config-json prints them)"
         )
-    fields = arch.model_dump(exclude={"from_config", "preset"}, exclude_none=True, by_alias=False)
-    if "weight_dtype" in fields:
-        fields["weight_dtype"] = str(arch.weight_dtype.value if arch.weight_dtype else "bf16")
-    return build_model_architecture(**fields)
+    return build_model_architecture(**arch.to_sizing_fields())
 
 
 def compute_pool_capacity(md: ModelDeployment) -> PoolCapacity:
