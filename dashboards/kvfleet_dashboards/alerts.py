@@ -19,16 +19,16 @@ from kvfleet_dashboards.dashboards import (
     LMCACHE_TENANT_BYTES,
     TTFT_SLO_SECONDS,
     VLLM_KV_USAGE,
-    VLLM_PREEMPTIONS,
 )
 from kvfleet_operator import metrics as om
+from kvfleet_runtime.engine import metrics as em
 from kvfleet_runtime.gateway import metrics as gw
 
 RUNBOOK_BASE = "https://github.com/kvfleet/kvfleet/blob/main/docs/operations.md"
 
-#: Preemptions per second per replica above which the KV cache is thrashing (an "eviction storm"): vLLM
-#: preempts a running request when it cannot find free KV blocks, evicting its cached blocks.
-EVICTION_STORM_PER_SECOND = 1.0
+#: An "eviction storm": a replica evicts cached blocks so fast that its whole GPU KV cache turns over in
+#: less than this many seconds (cached prefixes are evicted before they are reused).
+EVICTION_STORM_TURNOVER_SECONDS = 60
 #: Fraction of a model's requests failing upstream above which the gateway alert fires.
 UPSTREAM_ERROR_RATIO = 0.05
 
@@ -102,14 +102,18 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         name="KvfleetKVEvictionStorm",
-        expr=f"sum by (namespace, instance) (rate({VLLM_PREEMPTIONS}[5m])) > {EVICTION_STORM_PER_SECOND}",
+        expr=(
+            f"sum by (namespace, instance) (rate({em.EVICTIONS}[5m])) > on (namespace, instance) "
+            f"(sum by (namespace, instance) ({em.POOL_BLOCKS}) / {EVICTION_STORM_TURNOVER_SECONDS})"
+        ),
         for_="10m",
         severity="warning",
-        summary="KV thrashing on {{ $labels.instance }}",
+        summary="KV eviction storm on {{ $labels.instance }}",
         description=(
-            "Requests on {{ $labels.instance }} have been preempted for lack of KV blocks for 10 minutes "
-            "({{ $value }} per second): cached prefixes are evicted and recomputed. Check tenants' quotas "
-            "and burst caps, scale out, or compress the KV."
+            "{{ $labels.instance }} has been evicting {{ $value | humanize }} cached KV blocks per second "
+            "for 10 minutes: its whole GPU cache turns over in less than "
+            f"{EVICTION_STORM_TURNOVER_SECONDS} s, so cached prefixes are evicted before they are reused. "
+            "Check tenants' quotas and burst caps on the Tenant dashboard, scale out, or compress the KV."
         ),
         runbook_anchor="kvfleetkvevictionstorm",
     ),

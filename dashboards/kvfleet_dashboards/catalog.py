@@ -1,7 +1,7 @@
 """Every metric name kvfleet's dashboards and alerts may use, read from the code that defines it.
 
-kvfleet's own metrics come from their Prometheus registries (operator, gateway, LMCache sync and, when it
-exists, the engine plugin), so a renamed or removed metric changes this catalog; vLLM's come from the
+kvfleet's own metrics come from their Prometheus registries (operator, gateway, LMCache sync) and the
+engine plugin's family builder, so a renamed or removed metric changes this catalog; vLLM's come from the
 installed vLLM source (``vllm/v1/metrics/loggers.py``), the only place they are defined.
 
 Names are the *exposed sample names*: a counter ``x`` is exposed as ``x_total`` (and ``x_created``), a
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet_operator import metrics as operator_metrics
 from kvfleet_runtime.engine.lmcache_sync import LMCacheSyncMetrics
+from kvfleet_runtime.engine.metrics import PoolSnapshot, build_metric_families
 from kvfleet_runtime.gateway.metrics import GatewayMetrics
 
 _SUFFIXES = {
@@ -45,21 +45,22 @@ def registry_names(registry: CollectorRegistry) -> frozenset[str]:
     return frozenset(names)
 
 
-def _engine_registries() -> Iterable[CollectorRegistry]:
-    """The engine plugin's registry, once ``kvfleet_runtime.engine.metrics`` exists (written separately)."""
-    if importlib.util.find_spec("kvfleet_runtime.engine.metrics") is None:
-        return ()
-    module = importlib.import_module("kvfleet_runtime.engine.metrics")
-    registry = getattr(module, "REGISTRY", None)
-    return (registry,) if isinstance(registry, CollectorRegistry) else ()
+def engine_metric_names() -> frozenset[str]:
+    """Exposed names of the engine plugin's families (built from an empty pool snapshot: the families
+    exist, without samples, whatever the pool holds)."""
+    names: set[str] = set()
+    for family in build_metric_families(
+        PoolSnapshot(total_blocks=0, used_blocks=0, cached_blocks=0, tenants={})
+    ):
+        names |= exposed_names(family.type, family.name)
+    return frozenset(names)
 
 
 @cache
 def kvfleet_metric_names() -> frozenset[str]:
     """Exposed names of every ``kvfleet_*`` metric defined in the code."""
     registries = [operator_metrics.REGISTRY, GatewayMetrics().registry, LMCacheSyncMetrics().registry]
-    registries += list(_engine_registries())
-    names: set[str] = set()
+    names: set[str] = set(engine_metric_names())
     for registry in registries:
         names |= registry_names(registry)
     return frozenset(names)

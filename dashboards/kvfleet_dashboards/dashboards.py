@@ -24,6 +24,7 @@ from grafana_foundation_sdk.models import dashboard as gm
 
 from kvfleet_dashboards.catalog import metric
 from kvfleet_operator import metrics as om
+from kvfleet_runtime.engine import metrics as em
 from kvfleet_runtime.gateway import metrics as gw
 
 #: The TTFT objective every TTFT panel draws as a line and the TTFT alert fires on (seconds).
@@ -226,8 +227,12 @@ TENANT_DASHBOARD = DashboardSpec(
                     [
                         Query(
                             ratio(gw.CACHED_PROMPT_TOKENS_TOTAL, gw.PROMPT_TOKENS_TOTAL, TENANT, "tenant"),
-                            "{{tenant}}",
-                        )
+                            "{{tenant}} (gateway)",
+                        ),
+                        Query(
+                            ratio(em.PREFIX_HIT_TOKENS, em.PREFIX_QUERIED_TOKENS, LMCACHE_TENANT, "tenant"),
+                            "{{tenant}} (engine HBM)",
+                        ),
                     ],
                     unit="percentunit",
                     max_value=1,
@@ -266,15 +271,21 @@ TENANT_DASHBOARD = DashboardSpec(
             "KV quota",
             (
                 PanelSpec(
-                    "LMCache quota utilisation per tier",
-                    "Bytes a tenant holds in LMCache over its quota, per tier (CPU, NVMe); above 100% the "
-                    "tenant is over quota and is evicted first.",
+                    "KV quota utilisation per tier",
+                    "What a tenant holds over its quota, per tier: HBM blocks on each engine replica, "
+                    "bytes in LMCache's CPU and NVMe tiers. Above 100% the tenant is over quota and is "
+                    "evicted first.",
                     [
+                        Query(
+                            f"max by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}} / "
+                            f"({em.TENANT_QUOTA_BLOCKS}{{{LMCACHE_TENANT}}} > 0))",
+                            "{{tenant}} hbm",
+                        ),
                         Query(
                             f"sum by (tenant, tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}}) / "
                             f"sum by (tenant, tier) ({LMCACHE_QUOTA_BYTES}{{{LMCACHE_TENANT}}} > 0)",
                             "{{tenant}} {{tier}}",
-                        )
+                        ),
                     ],
                     unit="percentunit",
                     threshold=1.0,
@@ -285,13 +296,18 @@ TENANT_DASHBOARD = DashboardSpec(
                     [Query(f"sum by (tenant) ({gw.KV_IN_FLIGHT_TOKENS}{{{LMCACHE_TENANT}}})", "{{tenant}}")],
                 ),
                 PanelSpec(
-                    "TTL expiries by tier",
-                    "Times a tenant's data on a tier was dropped for being idle past its TTL.",
+                    "Evictions by tier and reason",
+                    "HBM blocks evicted by kvfleet's policy per second (reason ttl, over_quota or lru), and "
+                    "LMCache TTL expiries per tier (CPU, NVMe).",
                     [
                         Query(
+                            rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
+                            "{{tenant}} hbm {{reason}}",
+                        ),
+                        Query(
                             rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, tier"),
-                            "{{tenant}} {{tier}}",
-                        )
+                            "{{tenant}} {{tier}} ttl",
+                        ),
                     ],
                 ),
                 PanelSpec(
@@ -327,6 +343,21 @@ KV_TIERS = DashboardSpec(
                     unit="percentunit",
                     threshold=KV_USAGE_LIMIT,
                     max_value=1,
+                ),
+                PanelSpec(
+                    "HBM occupancy per tenant",
+                    "KV blocks holding each tenant's cached prefixes in the engines' GPU memory (all "
+                    "replicas), and its guaranteed blocks.",
+                    [
+                        Query(
+                            f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                            "{{tenant}} resident",
+                        ),
+                        Query(
+                            f"sum by (tenant) ({em.TENANT_QUOTA_BLOCKS}{{{LMCACHE_TENANT}}})",
+                            "{{tenant}} quota",
+                        ),
+                    ],
                 ),
                 PanelSpec(
                     "CPU tier occupancy per tenant",
@@ -366,6 +397,12 @@ KV_TIERS = DashboardSpec(
         (
             "Movement",
             (
+                PanelSpec(
+                    "HBM evictions by reason",
+                    "Cached GPU blocks evicted per second by kvfleet's policy: idle past the tenant's TTL, "
+                    "tenant over quota, or plain LRU.",
+                    [Query(rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"), "{{tenant}} {{reason}}")],
+                ),
                 PanelSpec(
                     "Restores from LMCache",
                     "Prompt tokens per second restored from LMCache instead of recomputed, per replica.",

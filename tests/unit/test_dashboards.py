@@ -226,13 +226,14 @@ def test_ttft_panels_draw_the_slo_as_a_line() -> None:
                 "TTFT p50 / p99 per tenant",
                 "Throttled requests",
                 "quota utilisation per tier",
-                "TTL expiries",
+                "Evictions by tier and reason",
             ],
         ),
         (
             KV_TIERS,
             [
-                "HBM",
+                "HBM occupancy per tenant",
+                "HBM evictions by reason",
                 "CPU tier occupancy per tenant",
                 "NVMe tier occupancy per tenant",
                 "TTL expiries",
