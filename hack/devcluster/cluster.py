@@ -59,30 +59,33 @@ ADMISSION_PLUGINS = (
     "ResourceQuota",
 )
 
-#: Controllers kube-controller-manager runs. No node-lifecycle controller: kwok's heartbeats keep the fake
-#: nodes Ready, and a slow heartbeat on a loaded 2-core machine must not taint and evict them.
+#: Controllers kube-controller-manager runs. The node-lifecycle controller removes the
+#: ``node.kubernetes.io/not-ready`` taint admission puts on every new node once kwok reports it Ready.
 CONTROLLERS = (
-    "garbagecollector",
-    "deployment",
-    "replicaset",
-    "statefulset",
-    "daemonset",
-    "job",
-    "cronjob",
-    "namespace",
-    "serviceaccount",
-    "serviceaccount-token",
-    "root-ca-cert-publisher",
-    "clusterrole-aggregation",
-    "endpoint",
-    "endpointslice",
-    "endpointslicemirroring",
-    "podgc",
-    "resourcequota",
-    "disruption",
-    "ttl-after-finished",
-    "pv-protection",
-    "pvc-protection",
+    "node-lifecycle-controller",
+    "garbage-collector-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "statefulset-controller",
+    "daemonset-controller",
+    "job-controller",
+    "cronjob-controller",
+    "namespace-controller",
+    "serviceaccount-controller",
+    "serviceaccount-token-controller",
+    "root-ca-certificate-publisher-controller",
+    "clusterrole-aggregation-controller",
+    "endpoints-controller",
+    "endpointslice-controller",
+    "endpointslice-mirroring-controller",
+    "service-cidr-controller",
+    "pod-garbage-collector-controller",
+    "resourcequota-controller",
+    "disruption-controller",
+    "ttl-after-finished-controller",
+    "persistentvolume-binder-controller",  # binds the static local-NVMe PVs the operator tests provide
+    "persistentvolume-protection-controller",
+    "persistentvolumeclaim-protection-controller",
 )
 
 SERVICE_CIDR = "10.0.0.0/24"
@@ -170,19 +173,14 @@ class ControlPlane:
         return status == 200
 
     def nodes_ready(self) -> bool:
-        """Every node of the layout exists and reports ``Ready=True``."""
+        """Every node of the layout exists, reports ``Ready=True`` and has no condition taint left."""
         try:
             status, body = self.request("GET", "/api/v1/nodes")
         except OSError:
             return False
         if status != 200:
             return False
-        ready = {
-            item["metadata"]["name"]
-            for item in body.get("items", [])
-            for cond in item.get("status", {}).get("conditions", [])
-            if cond.get("type") == "Ready" and cond.get("status") == "True"
-        }
+        ready = {item["metadata"]["name"] for item in body.get("items", []) if _node_schedulable(item)}
         return set(self.layout.node_names) <= ready
 
     def default_service_account_exists(self) -> bool:
@@ -235,6 +233,14 @@ class ControlPlane:
             ],
             started_in=dict(state.get("started_in", {})),
         )
+
+
+def _node_schedulable(node: dict[str, Any]) -> bool:
+    """Ready=True and none of the ``node.kubernetes.io/*`` condition taints (not-ready, unreachable, ...)."""
+    conditions = node.get("status", {}).get("conditions", [])
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    taints = node.get("spec", {}).get("taints", []) or []
+    return ready and not any(t.get("key", "").startswith("node.kubernetes.io/") for t in taints)
 
 
 def _pki_paths(directory: Path) -> Pki:
@@ -333,6 +339,9 @@ def build_controller_manager_args(kcm: Path, pki: Pki, kubeconfig: Path, port: i
         f"--root-ca-file={pki.ca_cert}",
         # Each controller acts as its own service account, so RBAC applies to it as in a real cluster.
         "--use-service-account-credentials=true",
+        # kwok renews node leases, but on a loaded 2-core machine a renewal can be late: wait long before
+        # calling a fake node unreachable (and evicting its pods).
+        "--node-monitor-grace-period=120s",
         "--leader-elect=false",
         f"--cluster-cidr={POD_CIDR}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -389,7 +398,8 @@ def start_control_plane(
     """Start a ``tier`` control plane and wait until it is ready; stop everything if that fails.
 
     Ready means: ``/readyz`` of the API server answers 200 (``api``); additionally the controller manager
-    and scheduler are healthy, every layout node is Ready and the ``default`` service account exists
+    and scheduler are healthy, every layout node is Ready without a ``node.kubernetes.io/*`` taint and the
+    ``default`` service account exists
     (``full``). Raises ``FileNotFoundError`` when a binary is missing (see ``hack/build-cluster.sh``).
     """
     names = binaries.API_TIER_BINARIES if tier == "api" else binaries.FULL_TIER_BINARIES

@@ -77,7 +77,7 @@ def build_layout(
     *,
     shared_nodes: int = 4,
     gpus_per_node: int = 8,
-    gpu_product: str = "H200",
+    gpu_product: str = "NVIDIA-H200",
     pool_name: str = "shared",
     dedicated: Mapping[str, int] | None = None,
 ) -> NodeLayout:

@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane
-
-from kvfleet_runtime.config import TenantTable
-
-from .cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
-from .test_operator_reconcile import (
+from test_operator_reconcile import (
     condition,
     create,
     get,
@@ -33,6 +30,8 @@ from .test_operator_reconcile import (
     reconcile,
     tenant,
 )
+
+from kvfleet_runtime.config import TenantTable
 
 
 def _free_port() -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane
 
 from kvfleet_operator.build.model_deployment import OperatorImages
@@ -22,8 +23,6 @@ from kvfleet_operator.handlers.reconcile import OperatorConfig, reconcile_model_
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import Credentials, KubeClient
 from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt, hash_api_key
-
-from .cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -58,7 +57,7 @@ def reconcile(plane: ControlPlane, namespace: str, name: str) -> tuple[Any, int]
 
 
 def create(plane: ControlPlane, doc: dict[str, Any]) -> None:
-    namespace = doc["metadata"]["namespace"]
+    namespace = doc["metadata"].get("namespace")
     path = {
         "ModelDeployment": f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/modeldeployments",
         "Tenant": f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenants",
