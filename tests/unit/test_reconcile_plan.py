@@ -30,6 +30,8 @@ def test_subset_ignores_server_defaults_but_not_changed_fields() -> None:
     assert not is_subset({"spec": {"replicas": 3}}, live)
     assert not is_subset({"spec": {"paused": True}}, live)
     assert not is_subset({"a": [1, 2]}, {"a": [1]})
+    # omitempty: the server does not store zero values, so their absence is not drift.
+    assert is_subset({"spec": {"paused": False, "value": "", "items": []}}, live)
 
 
 def test_converged_state_plans_nothing() -> None:

@@ -31,16 +31,28 @@ class Action:
 
 
 def is_subset(desired: Any, live: Any) -> bool:
-    """Whether every field in ``desired`` has the same value in ``live`` (recursively)."""
+    """Whether every field in ``desired`` has the same value in ``live`` (recursively).
+
+    A field missing from ``live`` matches a zero value in ``desired``, because the server drops zero
+    values of ``omitempty`` fields when it stores an object.
+    """
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return False
-        return all(key in live and is_subset(value, live[key]) for key, value in desired.items())
+        return all(
+            is_subset(value, live[key]) if key in live else _is_go_zero(value)
+            for key, value in desired.items()
+        )
     if isinstance(desired, list):
         if not isinstance(live, list) or len(desired) != len(live):
             return False
         return all(is_subset(d, lv) for d, lv in zip(desired, live, strict=True))
     return bool(desired == live)
+
+
+def _is_go_zero(value: Any) -> bool:
+    """The API server omits zero values (``omitempty``): ``false``, ``0``, ``""``, ``[]``, ``{}``."""
+    return value is False or value == 0 or value in ("", [], {})
 
 
 def _key(obj: Obj) -> tuple[str, str, str | None, str]:
