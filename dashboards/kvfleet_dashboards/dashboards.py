@@ -108,6 +108,15 @@ def ratio(num: str, den: str, selector: str, by: str = "") -> str:
     return f"{rate(num, selector, by)} / {rate(den, selector, by)}"
 
 
+def or_zero(expr: str, baseline: str) -> str:
+    """``expr``, or 0 for every series of ``baseline`` when ``expr`` has none.
+
+    For counters of rare events (errors, throttles, evictions) whose labelled series only appear with the
+    first event: the panel shows a flat 0 per tenant/pool instead of "No data".
+    """
+    return f"({expr}) or ({baseline} * 0)"
+
+
 def _bucket(name: str) -> str:
     return f"{name}_bucket"
 
@@ -197,7 +206,15 @@ FLEET = DashboardSpec(
                 PanelSpec(
                     "Gateway upstream errors",
                     "Failures talking to engine replicas, by pool and kind.",
-                    [Query(rate(gw.UPSTREAM_ERRORS_TOTAL, "", "pool, kind"), "{{pool}} {{kind}}")],
+                    [
+                        Query(
+                            or_zero(
+                                rate(gw.UPSTREAM_ERRORS_TOTAL, "", "pool, kind"),
+                                f"sum by (pool) ({gw.REPLICA_HEALTHY})",
+                            ),
+                            "{{pool}} {{kind}}",
+                        )
+                    ],
                     unit="short",
                 ),
                 PanelSpec(
@@ -259,7 +276,10 @@ TENANT_DASHBOARD = DashboardSpec(
                     "concurrency, KV budget).",
                     [
                         Query(
-                            rate(gw.THROTTLED_TOTAL, LMCACHE_TENANT, "tenant, reason"),
+                            or_zero(
+                                rate(gw.THROTTLED_TOTAL, LMCACHE_TENANT, "tenant, reason"),
+                                rate(gw.REQUESTS_TOTAL, LMCACHE_TENANT, "tenant"),
+                            ),
                             "{{tenant}} {{reason}}",
                         )
                     ],
@@ -301,11 +321,17 @@ TENANT_DASHBOARD = DashboardSpec(
                     "LMCache TTL expiries per tier (CPU, NVMe).",
                     [
                         Query(
-                            rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
+                            or_zero(
+                                rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
+                                f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                            ),
                             "{{tenant}} hbm {{reason}}",
                         ),
                         Query(
-                            rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, tier"),
+                            or_zero(
+                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, tier"),
+                                f"sum by (tenant, tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                            ),
                             "{{tenant}} {{tier}} ttl",
                         ),
                     ],
@@ -401,7 +427,15 @@ KV_TIERS = DashboardSpec(
                     "HBM evictions by reason",
                     "Cached GPU blocks evicted per second by kvfleet's policy: idle past the tenant's TTL, "
                     "tenant over quota, or plain LRU.",
-                    [Query(rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"), "{{tenant}} {{reason}}")],
+                    [
+                        Query(
+                            or_zero(
+                                rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
+                                f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                            ),
+                            "{{tenant}} {{reason}}",
+                        )
+                    ],
                 ),
                 PanelSpec(
                     "Restores from LMCache",
@@ -413,7 +447,10 @@ KV_TIERS = DashboardSpec(
                     "Idle data dropped past its TTL, by tier and tenant.",
                     [
                         Query(
-                            rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tier, tenant"),
+                            or_zero(
+                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tier, tenant"),
+                                f"sum by (tier, tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                            ),
                             "{{tier}} {{tenant}}",
                         )
                     ],
@@ -421,7 +458,15 @@ KV_TIERS = DashboardSpec(
                 PanelSpec(
                     "Salts removed",
                     "Tenants' cache salts removed from LMCache endpoints (tenant deleted or moved).",
-                    [Query(rate(LMCACHE_SALT_REMOVALS, "", "endpoint"), "{{endpoint}}")],
+                    [
+                        Query(
+                            or_zero(
+                                rate(LMCACHE_SALT_REMOVALS, "", "endpoint"),
+                                f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
+                            ),
+                            "{{endpoint}}",
+                        )
+                    ],
                 ),
                 PanelSpec(
                     "LMCache sync health",
@@ -429,7 +474,13 @@ KV_TIERS = DashboardSpec(
                     "errors per second.",
                     [
                         Query(f"time() - {LMCACHE_SYNC_LAST_SUCCESS}", "{{endpoint}} age"),
-                        Query(rate(LMCACHE_SYNC_ERRORS, "", "endpoint"), "{{endpoint}} errors/s"),
+                        Query(
+                            or_zero(
+                                rate(LMCACHE_SYNC_ERRORS, "", "endpoint"),
+                                f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
+                            ),
+                            "{{endpoint}} errors/s",
+                        ),
                     ],
                     unit="s",
                 ),
@@ -457,7 +508,15 @@ OPERATOR = DashboardSpec(
                 PanelSpec(
                     "Reconcile errors",
                     "Reconciles that ended in an error, per second.",
-                    [Query(rate(om.RECONCILES, 'outcome="error"', "kind"), "{{kind}}")],
+                    [
+                        Query(
+                            or_zero(
+                                rate(om.RECONCILES, 'outcome="error"', "kind"),
+                                rate(om.RECONCILES, "", "kind"),
+                            ),
+                            "{{kind}}",
+                        )
+                    ],
                     unit="ops",
                 ),
                 PanelSpec(
