@@ -6,6 +6,7 @@ kept on uninstall, monitoring objects only with their API, one dashboard ConfigM
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -105,7 +106,8 @@ def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None
 
 # --- helm lint / template ---------------------------------------------------------------------------------
 def test_helm_lint_is_clean() -> None:
-    for extra in ((), ("--set", "operator.watchNamespaces={a,b}"), MONITORING):
+    # helm lint has no --api-versions: the monitoring objects are checked by test_monitoring_objects_*.
+    for extra in ((), ("--set", "operator.watchNamespaces={a,b}"), ("--set", "crds.keep=false")):
         done = helm("lint", "--strict", str(CHART), *extra)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "0 chart(s) failed" in done.stdout
@@ -300,12 +302,13 @@ def test_one_dashboard_configmap_per_dashboard_with_configurable_sidecar_label()
     assert not [d for d in render("--set", "dashboards.enabled=false") if d["kind"] == "ConfigMap"]
 
 
-def test_notes_tell_what_to_apply_next() -> None:
-    done = helm("install", "kvfleet", str(CHART), "--dry-run", "-n", "kvfleet-system")
-    if done.returncode != 0 and "Kubernetes cluster unreachable" in done.stderr:
-        done = helm("install", "kvfleet", str(CHART), "--dry-run=client", "-n", "kvfleet-system")
-    assert done.returncode == 0, done.stderr
-    notes = done.stdout.split("NOTES:", 1)[1]
-    assert "examples/modeldeployment-qwen72b.yaml" in notes
+def test_notes_name_example_files_that_exist() -> None:
+    """NOTES.txt tells what to apply next; every examples/ path it names exists (the cluster test checks
+    the rendered NOTES of a real install)."""
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    named = set(re.findall(r"examples/[\w./-]+\.yaml", notes))
+    assert {"examples/modeldeployment-qwen72b.yaml", "examples/tenant-bank.yaml"} <= named
+    for path in named:
+        assert (REPO / path).is_file(), f"NOTES.txt names {path}, which does not exist"
     assert "kubectl create secret generic bank-api-key" in notes
     assert "kubectl get modeldeployments,tenants" in notes
