@@ -18,6 +18,9 @@ import matplotlib.pyplot as plt
 from kvfleet_runtime.kv.simulator import SimulationResult
 
 
+_TIER_LABEL = {"hbm": "HBM", "cpu": "CPU", "nvme": "NVMe"}
+
+
 def write_charts(results: Sequence[SimulationResult], directory: Path) -> list[Path]:
     """Write the charts of every result into ``directory`` (created); returns the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -63,7 +66,7 @@ def _occupancy_chart(result: SimulationResult, path: Path) -> Path:
         ys = [[100 * v / capacity for v in series[n]] for n in names]
         ax.stackplot(minutes, ys, labels=names, alpha=0.85)
         ax.set_ylim(0, 100)
-        ax.set_ylabel(f"{tier.upper()} (% full)")
+        ax.set_ylabel(f"{_TIER_LABEL.get(tier, tier)} (% full)")
         ax.grid(alpha=0.3)
     axes[0, 0].set_title(f"{result.policy}: tier occupancy by tenant")
     axes[0, 0].legend(loc="upper left", fontsize="small", ncol=max(1, len(result.occupancy[tiers[0]])))
