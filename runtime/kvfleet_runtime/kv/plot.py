@@ -17,7 +17,6 @@ import matplotlib.pyplot as plt
 
 from kvfleet_runtime.kv.simulator import SimulationResult
 
-
 _TIER_LABEL = {"hbm": "HBM", "cpu": "CPU", "nvme": "NVMe"}
 
 
