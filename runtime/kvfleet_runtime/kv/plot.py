@@ -11,7 +11,7 @@ from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")
+matplotlib.use("Agg")  # before pyplot is imported: no display on servers and in CI
 
 import matplotlib.pyplot as plt
 
