@@ -78,6 +78,7 @@ __all__ = [
     "Victim",
     "build_tenant_limits",
     "build_tier_limits",
+    "total_size",
 ]
 
 #: Fraction of a tier any one tenant may hold while others need room (DESIGN.md "KV governance").
