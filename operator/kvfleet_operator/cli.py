@@ -36,6 +36,8 @@ def run_operator(args: argparse.Namespace) -> int:
     from kvfleet_operator.handlers import kopf_handlers  # noqa: F401, PLC0415
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:  # kopf logs every handler run at INFO: keep the log for what changed
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.REGISTRY)
     kopf.run(

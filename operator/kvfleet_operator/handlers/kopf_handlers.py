@@ -118,6 +118,9 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         monitoring = await client.api_group_exists("monitoring.coreos.com/v1")
     except ApiError:
         monitoring = False
+    except BaseException:
+        await client.__aexit__()  # kopf retries start-up: do not leak a session per attempt
+        raise
     config = OperatorConfig(
         images=OperatorImages(
             engine=os.environ.get("KVFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),

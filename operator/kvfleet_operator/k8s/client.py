@@ -176,7 +176,8 @@ class KubeClient:
         headers = {"Content-Type": content_type} if data is not None else None
         async with self._session.request(method, path, data=data, params=params, headers=headers) as resp:
             text = await resp.text()
-            payload: Obj = json.loads(text) if text else {}
+            # Errors outside the API machinery (e.g. 404 for an unserved group) are plain text.
+            payload: Obj = json.loads(text) if text and resp.content_type == "application/json" else {}
             if resp.status >= 400:
                 reason = str(payload.get("reason", resp.reason))
                 raise ApiError(resp.status, reason, str(payload.get("message", text)))
