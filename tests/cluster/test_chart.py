@@ -26,12 +26,9 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster_helpers import create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane, find_binary
-
-from conftest import missing_component
-
-from .cluster_helpers import create_namespace, delete_namespace, wait_for
-from .test_operator_reconcile import (
+from test_operator_reconcile import (
     BANK_KEY,
     condition,
     create,
@@ -40,6 +37,8 @@ from .test_operator_reconcile import (
     provision_local_nvme,
     tenant,
 )
+
+from conftest import missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfleet"
