@@ -1,7 +1,8 @@
 """``python -m devcluster up|down|status|env|bench`` (run with ``hack`` on ``PYTHONPATH``).
 
-``up [--tier api|full]`` starts a control plane whose processes outlive the command and records it in
-``$KVFLEET_CACHE/devcluster/state.json``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
+``up [--tier api|full]`` starts a control plane whose processes outlive the command, records it in
+``$KVFLEET_CACHE/devcluster/state.json`` and copies its admin kubeconfig to
+``$KVFLEET_CACHE/devcluster/kubeconfig``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
 (``eval "$(python -m devcluster env)"``); ``status`` says what runs; ``down`` kills every process group
 and removes the cluster's folder; ``bench`` times repeated starts.
 Exit codes: 0 success, 1 failure, 2 bad usage.
@@ -27,6 +28,11 @@ from .cluster import ControlPlane, start_control_plane
 
 def _state_file() -> Path:
     return cache_dir() / "devcluster" / "state.json"
+
+
+def stable_kubeconfig() -> Path:
+    """Where ``up`` copies the admin kubeconfig: ``$KVFLEET_CACHE/devcluster/kubeconfig``."""
+    return _state_file().parent / "kubeconfig"
 
 
 def _load() -> ControlPlane | None:
@@ -55,9 +61,12 @@ def _up(args: argparse.Namespace) -> int:
     for proc in plane.processes:
         proc.popen = None
     _state_file().write_text(json.dumps(plane.to_state(), indent=2))
+    # A stable path for scripts and the demo; the cluster's own copy moves with every `up`.
+    stable_kubeconfig().write_bytes(plane.kubeconfig.read_bytes())
+    stable_kubeconfig().chmod(0o600)
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in plane.started_in.items())
     print(f"up ({plane.tier}; {timings}): {plane.server}")
-    print(f"kubeconfig: {plane.kubeconfig}")
+    print(f"kubeconfig: {stable_kubeconfig()}")
     print('eval "$(PYTHONPATH=hack .venv/bin/python -m devcluster env)" to use kubectl and helm')
     return 0
 
@@ -69,6 +78,7 @@ def _down(_: argparse.Namespace) -> int:
         return 0
     plane.stop()
     _state_file().unlink(missing_ok=True)
+    stable_kubeconfig().unlink(missing_ok=True)
     print("stopped")
     return 0
 
@@ -91,7 +101,7 @@ def _env(_: argparse.Namespace) -> int:
     if plane is None:
         print("not running", file=sys.stderr)
         return 1
-    print(f"export KUBECONFIG={shlex.quote(str(plane.kubeconfig))}")
+    print(f"export KUBECONFIG={shlex.quote(str(stable_kubeconfig()))}")
     print(f'export PATH={shlex.quote(str(bin_dir()))}:"$PATH"')
     return 0
 
