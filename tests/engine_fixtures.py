@@ -54,12 +54,12 @@ from kvfleet_runtime.engine.launcher import (
     build_vllm_args,
     build_vllm_env,
     compute_max_model_len,
+    remove_stale_lmcache_shm,
 )
 from kvfleet_runtime.engine.tinymodel import TinyModelSpec, build_tiny_model
 
 ENGINE_TIMEOUT = float(os.environ.get("KVFLEET_ENGINE_TIMEOUT", "420"))
 PROVIDE_ENGINE = "make test (hack/install-engine.sh)"
-SHM = Path("/dev/shm")
 TINY_MAX_MODEL_LEN = TinyModelSpec().max_position_embeddings
 
 #: (name, seconds) of every engine start in this session, for the terminal summary.
@@ -164,15 +164,10 @@ def engine_state_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _shm_entries() -> set[str]:
-    return {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
-
-
 @pytest.fixture(scope="session")
 def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheServer]]:
     require_engine()
     started: list[LMCacheServer] = []
-    shm_before = _shm_entries()
 
     def start(
         *,
@@ -210,9 +205,7 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
     for server in started:
         server.stop()
     # LMCache maps one shared-memory file per vLLM worker (lmcache_kv_<pid>_<n>) and leaves it behind.
-    for name in _shm_entries() - shm_before:
-        if name.startswith("lmcache"):
-            (SHM / name).unlink(missing_ok=True)
+    remove_stale_lmcache_shm()
 
 
 @pytest.fixture(scope="session")

@@ -237,6 +237,27 @@ def build_pool_engine_settings(
     return vllm, lmcache
 
 
+def remove_stale_lmcache_shm(shm_dir: Path = Path("/dev/shm")) -> list[str]:  # noqa: S108 - a fixed OS path
+    """Delete LMCache's per-worker shared-memory files whose vLLM worker is gone; return their names.
+
+    LMCache maps ``lmcache_kv_<worker pid>_<n>`` for each vLLM worker and never unlinks it. Only files
+    of dead pids are removed, so engines of other sessions on the same host are left alone.
+    """
+    removed = []
+    for path in shm_dir.glob("lmcache_kv_*_*") if shm_dir.is_dir() else []:
+        pid_text = path.name.removeprefix("lmcache_kv_").split("_", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except PermissionError:
+            continue  # alive, owned by someone else
+    return removed
+
+
 def read_model_max_len(model: str) -> int | None:
     """``max_position_embeddings`` of a local HF model folder, or ``None`` when it cannot be read."""
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import sys
@@ -37,6 +38,7 @@ from kvfleet_runtime.engine.launcher import (
     build_vllm_args,
     build_vllm_env,
     compute_max_model_len,
+    remove_stale_lmcache_shm,
 )
 from kvfleet_runtime.engine.tinymodel import TinyModelSpec
 
@@ -151,6 +153,7 @@ def main_bench(model: str, rounds: int, n_words: int, out: Path | None) -> str:
         extra_args=("--enforce-eager",),
     )
     procs: list[EngineProcess] = []
+    ok = False
     try:
         p = EngineProcess(
             "lmcache", build_lmcache_args(lmc), {**os.environ, "TMPDIR": str(work)}, work / "lmc.log"
@@ -184,9 +187,15 @@ def main_bench(model: str, rounds: int, n_words: int, out: Path | None) -> str:
             rounds=rounds,
             n_words=n_words,
         )
+        ok = True
     finally:
         for proc in reversed(procs):
             proc.stop()
+        remove_stale_lmcache_shm()
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"logs kept in {work}", file=sys.stderr)
     table = render_markdown(summarize(samples))
     if out is not None:
         out.write_text(json.dumps([s.__dict__ for s in samples], indent=1) + "\n")
