@@ -69,6 +69,7 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._series: dict[tuple[str, str, str], RequestSeries] = {}
         r = self.registry
         req = ("tenant", "model", "tier")
         self.requests = Counter(
@@ -170,3 +171,45 @@ class GatewayMetrics:
             ("pool", "replica"),
             registry=r,
         )
+
+    def series(self, tenant: str, model: str, tier: str) -> RequestSeries:
+        """The per-request children for one (tenant, model, tier), resolved once and cached.
+
+        Resolving a labelled child takes a lock and a dict lookup per metric; the request path uses a
+        dozen of them, so they are looked up once per label set (bounded, see the module docstring).
+        """
+        key = (tenant, model, tier)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = RequestSeries(self, tenant, model, tier)
+        return found
+
+
+class RequestSeries:
+    """The children of the request-path metrics for one (tenant, model, tier)."""
+
+    __slots__ = (
+        "cached_prompt_tokens",
+        "completion_tokens",
+        "duration",
+        "in_flight",
+        "itl",
+        "kv_in_flight",
+        "outcomes",
+        "prompt_tokens",
+        "queue_time",
+        "ttft",
+    )
+
+    def __init__(self, metrics: GatewayMetrics, tenant: str, model: str, tier: str) -> None:
+        labels = (tenant, model, tier)
+        self.outcomes = {o: metrics.requests.labels(*labels, o) for o in OUTCOMES}
+        self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self.completion_tokens = metrics.completion_tokens.labels(*labels)
+        self.cached_prompt_tokens = metrics.cached_prompt_tokens.labels(*labels)
+        self.ttft = metrics.ttft.labels(*labels)
+        self.itl = metrics.itl.labels(*labels)
+        self.duration = metrics.duration.labels(*labels)
+        self.queue_time = metrics.queue_time.labels(tenant, tier)
+        self.in_flight = metrics.in_flight.labels(tenant, tier)
+        self.kv_in_flight = metrics.kv_in_flight.labels(tenant)

@@ -33,8 +33,8 @@ overhead for the chat template. It is reconciled with ``usage`` afterwards.
 from __future__ import annotations
 
 import math
+import os
 import re
-import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
@@ -212,7 +212,7 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
 
 def build_request_id(tenant: str) -> str:
     """The ``X-Request-Id`` that tags a request with its tenant (see the module docstring)."""
-    return f"{REQUEST_ID_PREFIX}{tenant}_{uuid.uuid4().hex}"
+    return f"{REQUEST_ID_PREFIX}{tenant}_{os.urandom(16).hex()}"
 
 
 def parse_tenant_from_request_id(request_id: str) -> str | None:

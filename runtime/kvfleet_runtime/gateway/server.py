@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet_runtime.gateway import metrics as m
 from kvfleet_runtime.gateway.admission import Admission, GateLimits, TenantGate, Throttled
-from kvfleet_runtime.gateway.metrics import GatewayMetrics
+from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.rewrite import (
     BadRequest,
     Endpoint,
@@ -363,12 +363,12 @@ class Gateway:
             )
         max_tokens = parsed.max_tokens or self.settings.default_max_tokens
         kv_tokens = parsed.prompt_tokens_estimate + max_tokens
-        labels = (tenant.name, model_label, tenant.tier)
+        series = self.metrics.series(tenant.name, model_label, tenant.tier)
         try:
             admission = await gate.acquire(kv_tokens, kv_tokens)
         except Throttled as exc:
             self.metrics.throttled.labels(tenant.name, tenant.tier, exc.reason).inc()
-            self.metrics.requests.labels(*labels, "throttled").inc()
+            series.outcomes["throttled"].inc()
             return error_response(
                 429,
                 exc.message,
@@ -376,9 +376,9 @@ class Gateway:
                 exc.reason,
                 headers={"Retry-After": exc.retry_after_header},
             )
-        self.metrics.queue_time.labels(tenant.name, tenant.tier).observe(admission.queued_s)
-        in_flight = self.metrics.in_flight.labels(tenant.name, tenant.tier)
-        kv_gauge = self.metrics.kv_in_flight.labels(tenant.name)
+        series.queue_time.observe(admission.queued_s)
+        in_flight = series.in_flight
+        kv_gauge = series.kv_in_flight
         in_flight.inc()
         kv_gauge.set(gate.kv_in_flight)
         outcome = "cancelled"
@@ -389,7 +389,7 @@ class Gateway:
                 tenant=tenant,
                 parsed=parsed,
                 admission=admission,
-                labels=labels,
+                series=series,
                 arrived=arrived,
             )
             return response
@@ -397,8 +397,8 @@ class Gateway:
             admission.release()
             in_flight.dec()
             kv_gauge.set(gate.kv_in_flight)
-            self.metrics.requests.labels(*labels, outcome).inc()
-            self.metrics.duration.labels(*labels).observe(time.perf_counter() - arrived)
+            series.outcomes[outcome].inc()
+            series.duration.observe(time.perf_counter() - arrived)
 
     async def _connect(
         self,
@@ -452,7 +452,7 @@ class Gateway:
         tenant: TenantRuntime,
         parsed: ParsedRequest,
         admission: Admission,
-        labels: tuple[str, str, str],
+        series: RequestSeries,
         arrived: float,
     ) -> tuple[web.StreamResponse, str]:
         request_id = build_request_id(tenant.name)
@@ -475,7 +475,7 @@ class Gateway:
                     upstream=upstream,
                     parsed=parsed,
                     usage=usage,
-                    labels=labels,
+                    series=series,
                     arrived=arrived,
                     started=started,
                 )
@@ -509,9 +509,9 @@ class Gateway:
             upstream.release()
         if usage.seen:
             admission.reconcile_tokens(usage.prompt + usage.completion)
-            self.metrics.prompt_tokens.labels(*labels).inc(usage.prompt)
-            self.metrics.completion_tokens.labels(*labels).inc(usage.completion)
-            self.metrics.cached_prompt_tokens.labels(*labels).inc(usage.cached)
+            series.prompt_tokens.inc(usage.prompt)
+            series.completion_tokens.inc(usage.completion)
+            series.cached_prompt_tokens.inc(usage.cached)
         return response, outcome
 
     async def _relay_buffered(
@@ -538,7 +538,7 @@ class Gateway:
         upstream: aiohttp.ClientResponse,
         parsed: ParsedRequest,
         usage: _UsageTracker,
-        labels: tuple[str, str, str],
+        series: RequestSeries,
         arrived: float,
         started: list[web.StreamResponse],
     ) -> tuple[web.StreamResponse, str]:
@@ -551,8 +551,8 @@ class Gateway:
         )
         await out.prepare(request)
         started.append(out)
-        ttft = self.metrics.ttft.labels(*labels)
-        itl = self.metrics.itl.labels(*labels)
+        ttft = series.ttft
+        itl = series.itl
         last: float | None = None
         try:
             async for events in _sse_events(upstream.content.iter_any()):
@@ -614,24 +614,34 @@ def _event_json(event: bytes) -> Any:
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvfleet_gateway", Gateway)
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turn aiohttp's plain-text HTTP errors (404, 405, 413 ...) into OpenAI-style JSON bodies."""
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(413, "request body too large", "invalid_request_error", "body_too_large")
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason, "invalid_request_error", f"http_{exc.status}")
+_ROUTES: dict[str, str] = {
+    Endpoint.CHAT.value: "POST",
+    Endpoint.COMPLETIONS.value: "POST",
+    "/v1/models": "GET",
+    "/healthz": "GET",
+    "/readyz": "GET",
+    "/metrics": "GET",
+}
+
+
+async def _fallback(request: web.Request) -> web.Response:
+    """404/405 as OpenAI-style JSON (a catch-all route is cheaper than a middleware on every request)."""
+    allowed = _ROUTES.get(request.path)
+    if allowed is not None:
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.path}; use {allowed}",
+            "invalid_request_error",
+            "method_not_allowed",
+            headers={"Allow": allowed},
+        )
+    return error_response(404, "no such endpoint", "invalid_request_error", "not_found")
 
 
 def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> web.Application:
     """The gateway application; start it with ``web.AppRunner(app, handler_cancellation=True)``."""
     gateway = Gateway(settings, metrics)
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_json_errors])
+    app = web.Application(client_max_size=settings.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
@@ -641,6 +651,7 @@ def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) 
     app.router.add_get("/healthz", gateway.handle_healthz)
     app.router.add_get("/readyz", gateway.handle_readyz)
     app.router.add_get("/metrics", gateway.handle_metrics)
+    app.router.add_route("*", "/{tail:.*}", _fallback)  # last: only what nothing above matched
     return app
 
 
