@@ -48,8 +48,15 @@ def create_namespace(plane: ControlPlane, prefix: str, labels: dict[str, str] | 
     return name
 
 
-def delete_namespace(plane: ControlPlane, name: str) -> None:
+def delete_namespace(plane: ControlPlane, name: str, *, wait: bool = False) -> None:
+    """Delete ``name``; with ``wait``, until it is gone (its pods released their GPUs for the next test)."""
     plane.request("DELETE", f"/api/v1/namespaces/{name}")
+    if wait:
+        wait_for(
+            lambda: plane.request("GET", f"/api/v1/namespaces/{name}")[0] == 404,
+            timeout=120,
+            what=f"namespace {name} deleted",
+        )
 
 
 def crd_files() -> list[Path]:

@@ -53,4 +53,4 @@ def test_helm_install_wait_then_uninstall_leaves_nothing_behind(full_cluster: Co
         listed = json.loads(_helm(full_cluster, "list", "-n", ns, "-a", "-o", "json").stdout)
         assert listed == []
     finally:
-        delete_namespace(full_cluster, ns)
+        delete_namespace(full_cluster, ns, wait=True)

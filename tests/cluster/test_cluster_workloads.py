@@ -22,7 +22,7 @@ PAUSE = "registry.k8s.io/pause:3.10"
 def namespace(full_cluster: ControlPlane) -> Iterator[str]:
     name = create_namespace(full_cluster, "workloads")
     yield name
-    delete_namespace(full_cluster, name)
+    delete_namespace(full_cluster, name, wait=True)
 
 
 def _deployment(
