@@ -3,7 +3,7 @@
 Fleet: 8x H200 (141 GB), Qwen2.5-72B with FP8 weights and FP8 KV (sizes from the planner,
 ``kvfleet_runtime.kv.sizing``), 4 replicas of TP=2, LMCache CPU 256 GiB + NVMe 2 TiB for the node, i.e.
 64 GiB + 512 GiB per replica (or one shared 256 GiB + 2 TiB pool for ``distributed``/``kvfleet``).
-Workload: DESIGN.md's RAG chat (1.5K system prompt per tenant, 8K retrieved context per session,
+Workload: the RAG chat scenario (1.5K system prompt per tenant, 8K retrieved context per session,
 200-token turns, 250-token answers, 6 turns) from three tenants (30% / 50% / 20% of the sessions).
 
 Calibration: idle gaps are fixed (10 s + exponential, mean ``--think``); the number of concurrent

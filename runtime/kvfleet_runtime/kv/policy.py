@@ -81,7 +81,7 @@ __all__ = [
     "total_size",
 ]
 
-#: Fraction of a tier any one tenant may hold while others need room (DESIGN.md "KV governance").
+#: Fraction of a tier any one tenant may hold while others need room (the design's burst cap).
 DEFAULT_BURST_CAP = 0.5
 
 #: Lower ranks are evicted first when two over-quota tenants are equally far over.

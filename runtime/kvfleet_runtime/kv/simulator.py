@@ -16,12 +16,12 @@ Model
   through CPU), its computed units are added to HBM, pinned. At completion (arrival + TTFT + output
   tokens / decode rate) the output's full units are added and every unit is unpinned tail first, as
   vLLM's ``free_blocks`` does.
-* HBM victims demote to the CPU tier, CPU victims to NVMe, NVMe victims are dropped (write-back, the
-  tier policy of DESIGN.md). Each tier of each replica is one :class:`~kvfleet_runtime.kv.policy.TierPolicy`;
-  with ``shared_offload`` one CPU and one NVMe tier (the replicas' capacities pooled) serve all replicas,
-  like LMCache's distributed mode.
+* HBM victims demote to the CPU tier, CPU victims to NVMe, NVMe victims are dropped (write-back: recent
+  KV in HBM, then CPU, then NVMe). Each tier of each replica is one
+  :class:`~kvfleet_runtime.kv.policy.TierPolicy`; with ``shared_offload`` one CPU and one NVMe tier
+  (the replicas' capacities pooled) serve all replicas, like LMCache's distributed mode.
 * Ungoverned policies (``lru``, ``lmcache``, ``distributed``) run the same core with every tenant's
-  quota and burst set to the tier size and no TTL: pure global LRU. ``kvfleet`` gives each tenant its
+  quota set to the tier size, no burst cap and no TTL: pure global LRU. ``kvfleet`` gives each tenant its
   quota share, the burst cap and the TTLs of :class:`TenantSpec`.
 
 Metrics per tenant (requests arriving after ``warmup_seconds``): prompt tokens; hit tokens by tier;

@@ -8,7 +8,7 @@ prompt, so multi-turn history is reused the way vLLM caches generated tokens.
 
 Built-ins (all deterministic for a seed):
 
-* :func:`build_rag_chat` — DESIGN.md's RAG chat: 1.5K-token system prompt per tenant, 8K tokens of
+* :func:`build_rag_chat` — the design's RAG chat scenario: 1.5K-token system prompt per tenant, 8K tokens of
   retrieved context per session, 200-token user turns, 6 turns, a closed loop of concurrent sessions per
   tenant with idle gaps between turns.
 * :func:`build_multi_round_qa` — vLLM production-stack's multi-round QA benchmark
