@@ -172,6 +172,7 @@ The operator gets exactly the verbs it uses, no wildcards:
 | core, events.k8s.io | events | create, patch |
 | apiextensions.k8s.io | customresourcedefinitions (cluster-wide) | get, list, watch |
 | core | namespaces (cluster-wide, only with `operator.watchNamespaces`) | get, list, watch |
+| core | secrets: `<release>-salt-master` in the release namespace | get, patch (that name), create |
 
 With `operator.watchNamespaces` empty (the default) the namespaced rules are granted cluster-wide by a
 ClusterRole. **This includes list and watch of Secrets in every namespace.** The operator itself only
@@ -180,6 +181,11 @@ selector) and reads the API-key Secrets tenants name, but RBAC cannot express th
 cluster-wide Secret access, list the namespaces to watch in `operator.watchNamespaces`: the chart then
 creates one Role and RoleBinding per namespace (the namespaces must exist before the install) and passes
 `--namespace` flags to the operator.
+
+The operator keeps the master key every ModelDeployment's cache salts derive from in the Secret
+`<release>-salt-master` of the release namespace (`KVFLEET_SALT_SECRET`); it creates it on first start.
+The Secret is not part of the release, so it survives `helm uninstall` and a reinstall keeps every tenant's
+cache salts; delete it to rotate the key (a one-off flush of all cached KV).
 
 ## Values
 

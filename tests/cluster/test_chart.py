@@ -120,19 +120,17 @@ def _token_kubeconfig(plane: ControlPlane, namespace: str, sa: str, path: Path) 
     return path
 
 
-def _can(plane: ControlPlane, user: str, verb: str, resource: str, namespace: str, group: str = "") -> bool:
+def _can(
+    plane: ControlPlane, user: str, verb: str, resource: str, namespace: str, group: str = "", name: str = ""
+) -> bool:
+    attributes = {"verb": verb, "resource": resource, "namespace": namespace, "group": group, "name": name}
     review = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SubjectAccessReview",
         "spec": {
             "user": user,
             "groups": ["system:serviceaccounts", "system:authenticated"],
-            "resourceAttributes": {
-                "verb": verb,
-                "resource": resource,
-                "namespace": namespace,
-                "group": group,
-            },
+            "resourceAttributes": attributes,
         },
     }
     status, body = plane.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
@@ -329,6 +327,11 @@ def test_rbac_is_scoped_to_the_watched_namespace(full_cluster: ControlPlane, ins
     assert not _can(full_cluster, user, "get", "pods", ns)
     assert not _can(full_cluster, user, "delete", "modeldeployments", ns, "kvfleet.io")
     assert not _can(full_cluster, user, "escalate", "roles", ns, "rbac.authorization.k8s.io")
+    # In its own namespace: the salt master Secret only.
+    rel = installed.release_ns
+    assert _can(full_cluster, user, "get", "secrets", rel, name=f"{RELEASE}-salt-master")
+    assert not _can(full_cluster, user, "get", "secrets", rel, name="someone-elses")
+    assert not _can(full_cluster, user, "list", "secrets", rel)
 
 
 def _upgrade(plane: ControlPlane, namespace: str, *sets: str) -> subprocess.CompletedProcess[str]:

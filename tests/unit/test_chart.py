@@ -140,6 +140,8 @@ def test_default_render_objects() -> None:
         "ConfigMap",
         "CustomResourceDefinition",
         "Deployment",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
@@ -250,8 +252,8 @@ def test_without_monitoring_rbac_no_servicemonitor_rights() -> None:
 
 def test_watch_namespaces_switches_to_roles_and_namespace_flags() -> None:
     docs = render("--set", "operator.watchNamespaces={llm,llm-bank}")
-    roles = [d for d in docs if d["kind"] == "Role"]
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvfleet"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "kvfleet"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-bank"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["llm", "llm-bank"]
     for binding in bindings:
@@ -263,6 +265,30 @@ def test_watch_namespaces_switches_to_roles_and_namespace_flags() -> None:
     assert ("", "secrets") not in cluster
     args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=llm" in args and "--namespace=llm-bank" in args and "--all-namespaces" not in args
+
+
+def test_salt_master_secret_is_the_only_secret_in_the_release_namespace() -> None:
+    """The operator keeps its salt master key in one Secret of the release namespace (KVFLEET_SALT_SECRET);
+    it may read and apply that name only, and create it (create cannot be limited by name)."""
+    docs = render("--set", "operator.watchNamespaces={llm}")
+    role = only(docs, "Role", "kvfleet-salt-master")
+    assert role["metadata"]["namespace"] == "kvfleet-system"
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["kvfleet-salt-master"],
+            "verbs": ["get", "patch"],
+        },
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+    ]
+    binding = only(docs, "RoleBinding", "kvfleet-salt-master")
+    assert binding["roleRef"]["name"] == "kvfleet-salt-master"
+    env = {
+        e["name"]: e["value"]
+        for e in only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["KVFLEET_SALT_SECRET"] == "kvfleet-system/kvfleet-salt-master"
 
 
 def test_crds_are_templated_kept_on_uninstall_and_optional() -> None:

@@ -32,6 +32,11 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the operator's salt master key (created by the operator on first start). */}}
+{{- define "kvfleet.saltSecretName" -}}
+{{- printf "%s-salt-master" (include "kvfleet.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "kvfleet.image" -}}
 {{- printf "%s:%s" .repository .tag -}}
 {{- end -}}
