@@ -201,3 +201,4 @@ def _launch(args: argparse.Namespace) -> int:
     finally:
         for proc in reversed(procs):
             proc.stop()
+        launcher.remove_stale_lmcache_shm()
