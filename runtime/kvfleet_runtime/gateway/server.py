@@ -164,7 +164,10 @@ class Gateway:
     async def start(self, _app: web.Application) -> None:
         self.apply_snapshot(await asyncio.to_thread(self.watcher.load_initial))
         connector = aiohttp.TCPConnector(
-            limit=self.settings.upstream_connections, limit_per_host=0, keepalive_timeout=30.0
+            limit=self.settings.upstream_connections,
+            limit_per_host=0,
+            # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway closes idle connections first.
+            keepalive_timeout=4.0,
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -425,7 +428,17 @@ class Gateway:
             tried.add(replica.url)
             replica.in_flight += 1
             try:
-                resp = await self.session.post(replica.url + endpoint.value, data=payload, headers=headers)
+                try:
+                    resp = await self.session.post(
+                        replica.url + endpoint.value, data=payload, headers=headers
+                    )
+                except aiohttp.ServerDisconnectedError:
+                    # Most often a pooled keep-alive connection the engine had just closed (the request was
+                    # never read): resend once on a fresh connection before calling the replica down.
+                    self.metrics.upstream_errors.labels(tenant.pool.name, "disconnect").inc()
+                    resp = await self.session.post(
+                        replica.url + endpoint.value, data=payload, headers=headers
+                    )
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
                 replica.in_flight -= 1
                 replica.healthy = False
