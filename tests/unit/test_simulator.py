@@ -9,8 +9,17 @@ from pathlib import Path
 import pytest
 
 from kvfleet_runtime.cli import build_parser
-from kvfleet_runtime.config import SlaTier
-from kvfleet_runtime.kv.simulate_cli import run_simulate
+from kvfleet_runtime.config import (
+    Isolation,
+    KVQuota,
+    KVTier,
+    PoolEntry,
+    SlaTier,
+    TenantEntry,
+    TenantTable,
+    TierTTLs,
+)
+from kvfleet_runtime.kv.simulate_cli import build_table_tenants, run_simulate
 from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, TenantSpec, compute_unit_keys, simulate
 from kvfleet_runtime.kv.workloads import (
     Request,
@@ -217,3 +226,68 @@ def test_cli_rejects_bad_input_with_exit_code_2(argv: list[str], message: str) -
     assert code == 2
     assert message in err
     assert err.startswith("kvfleet simulate: error:")
+
+
+def test_cli_takes_capacities_and_tenants_from_a_rendered_tenant_table(tmp_path: Path) -> None:
+    def tenant(name: str, tier: SlaTier, quota: KVQuota, isolation: Isolation, salt_id: str) -> TenantEntry:
+        return TenantEntry(
+            name=name,
+            tier=tier,
+            priority=0,
+            isolation=isolation,
+            salt_id=salt_id,
+            pool="shared",
+            models=["m"],
+            quota=quota,
+            ttl=TierTTLs(hbm_seconds=15.0),
+        )
+
+    table = TenantTable(
+        model_deployment="md",
+        served_model_name="m",
+        pool_salt_id="pool",
+        pools={
+            "shared": PoolEntry(
+                name="shared",
+                endpoints=["http://a:8000", "http://b:8000"],
+                block_size=16,
+                hbm_blocks_per_replica=4096,
+                cpu_bytes_per_replica=2**30,
+                burst_cap=0.4,
+            )
+        },
+        tenants={
+            "bank": tenant(
+                "bank",
+                SlaTier.PREMIUM,
+                KVQuota(hbm_blocks=1024, hbm_burst_blocks=2048, cpu_bytes=2**28),
+                Isolation.SALTED,
+                "bank",
+            ),
+            "shop": tenant(
+                "shop", SlaTier.BASIC, KVQuota(hbm_blocks=512, hbm_burst_blocks=512), Isolation.SHARED, "pool"
+            ),
+        },
+    )
+    path = tmp_path / "tenants.json"
+    path.write_text(table.model_dump_json())
+    common = ["--tenant-table", str(path), "--unit-tokens", "64", "--duration", "300", "--warmup", "60"]
+    code, _, err = _run(common)
+    assert code == 2
+    assert "--kv-bytes-per-token" in err
+    code, out, err = _run(
+        [*common, "--kv-bytes-per-token", "4096", "--sessions-per-tenant", "3", "--output", "json"]
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["fleet"]["replicas"] == 2
+    assert doc["fleet"]["hbm_units_per_replica"] == 4096 * 16 // 64
+    assert doc["fleet"]["cpu_units_per_replica"] == 2**30 // (4096 * 64)
+    assert set(doc["results"][0]["tenants"]) == {"bank", "shop"}
+    specs = {s.name: s for s in build_table_tenants(build_parser().parse_args(["simulate", *common]))}
+    assert specs["bank"].share == 0.25
+    assert specs["bank"].share_of(KVTier.CPU) == 0.25
+    assert specs["shop"].share_of(KVTier.CPU) == 0.0
+    assert specs["shop"].salt == "pool"
+    assert specs["bank"].ttl.hbm_seconds == 15.0
+    assert specs["bank"].burst_cap == 0.4

@@ -5,8 +5,11 @@ Capacities come from the planner (``--preset``/``--config-json`` with the same e
 or directly from ``--hbm-tokens`` (per replica) with ``--replicas``. Tenants are ``--tenant
 NAME:SLA:SHARE:SESSIONS`` (repeatable; SHARE is the quota as a fraction of every tier). The workload is a
 built-in (``--workload rag-chat|multi-round-qa|noisy-neighbour``) or ``--trace FILE.jsonl`` (format in
-:mod:`kvfleet_runtime.kv.workloads`). Output: a table per policy, or ``--output json``; ``--plot DIR``
-writes PNG charts. Exit codes: 0, 2 on bad input.
+:mod:`kvfleet_runtime.kv.workloads`). ``--tenant-table tenants.json`` (the runtime tenant table the
+operator renders for a ModelDeployment) supplies both: the pool's capacities, burst cap and replicas, and
+every tenant of the pool with its SLA tier, quotas and TTLs (planner flags, when given, set the
+capacities instead). Output: a table per policy, or ``--output json``; ``--plot DIR`` writes PNG charts.
+Exit codes: 0, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from kvfleet_runtime.config import SlaTier, TierTTLs
+from kvfleet_runtime.config import PoolEntry, SlaTier, TenantTable, TierTTLs
 from kvfleet_runtime.kv.plan_cli import build_plan_request
 from kvfleet_runtime.kv.presets import PRESETS
 from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulationResult, TenantSpec, simulate
@@ -81,6 +84,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--nvme-tier", help="LMCache NVMe tier per replica, e.g. 512Gi")
     model.add_argument("--pcie-gbps", default=str(DEFAULT_PCIE_GBPS), help="host-to-GPU GB/s per GPU")
     model.add_argument("--nvme-gbps", default=str(DEFAULT_NVME_GBPS), help="NVMe read GB/s per replica")
+    table = parser.add_argument_group("capacity and tenants from a rendered tenant table")
+    table.add_argument("--tenant-table", type=Path, metavar="PATH", help="tenants.json of a ModelDeployment")
+    table.add_argument("--pool", help="pool of the tenant table (default: its only or first pool)")
+    table.add_argument("--sessions-per-tenant", type=int, default=50, help="load of each table tenant")
     direct = parser.add_argument_group("capacity without a model (tokens per replica)")
     direct.add_argument("--hbm-tokens", help="HBM KV tokens per replica, e.g. 1M")
     direct.add_argument("--cpu-tokens", help="CPU tier tokens per replica")
@@ -167,9 +174,28 @@ def build_fleet_spec(args: argparse.Namespace) -> FleetSpec:
             nvme_gbps=float(args.nvme_gbps),
             **common,
         )
-    if not args.hbm_tokens:
-        raise SimulateError("no capacity: give --preset/--config-json (planner flags) or --hbm-tokens")
     per_token = parse_quantity(args.kv_bytes_per_token)
+    if args.tenant_table and not args.hbm_tokens:
+        pool = _table_pool(args)
+        if (pool.cpu_bytes_per_replica or pool.nvme_bytes_per_replica) and not per_token:
+            raise SimulateError("the pool has CPU/NVMe tiers: give --kv-bytes-per-token (or --preset ...)")
+        tier_unit = max(1, per_token) * unit
+        return FleetSpec(
+            replicas=int(args.replicas or len(pool.endpoints) or 1),
+            unit_tokens=unit,
+            hbm_units_per_replica=pool.hbm_blocks_per_replica * pool.block_size // unit,
+            cpu_units_per_replica=pool.cpu_bytes_per_replica // tier_unit,
+            nvme_units_per_replica=pool.nvme_bytes_per_replica // tier_unit,
+            kv_bytes_per_token_per_gpu=per_token,
+            offload_bytes_per_token=per_token,
+            pcie_gbps=float(args.pcie_gbps),
+            nvme_gbps=float(args.nvme_gbps),
+            **common,
+        )
+    if not args.hbm_tokens:
+        raise SimulateError(
+            "no capacity: give --preset/--config-json (planner flags), --tenant-table or --hbm-tokens"
+        )
     return FleetSpec(
         replicas=int(args.replicas or 1),
         unit_tokens=unit,
@@ -200,11 +226,53 @@ def parse_tenant(text: str, ttl: TierTTLs) -> tuple[TenantSpec, int]:
     return spec, count
 
 
+def _load_table(args: argparse.Namespace) -> TenantTable:
+    try:
+        return TenantTable.load(args.tenant_table)
+    except OSError as exc:
+        raise SimulateError(f"--tenant-table: {exc}") from None
+
+
+def _table_pool(args: argparse.Namespace) -> PoolEntry:
+    table = _load_table(args)
+    name = args.pool or next(iter(table.pools), None)
+    if name is None or name not in table.pools:
+        raise SimulateError(f"--pool {name!r} is not one of the pools {sorted(table.pools)}")
+    return table.pools[name]
+
+
+def build_table_tenants(args: argparse.Namespace) -> list[TenantSpec]:
+    """The pool's tenants with their tier, quotas (as shares of each tier), TTLs and salt group."""
+    table = _load_table(args)
+    pool = _table_pool(args)
+
+    def ratio(part: int, whole: int) -> float:
+        return min(1.0, part / whole) if whole else 0.0
+
+    return [
+        TenantSpec(
+            name=t.name,
+            sla=t.tier,
+            share=ratio(t.quota.hbm_blocks, pool.hbm_blocks_per_replica),
+            cpu_share=ratio(t.quota.cpu_bytes, pool.cpu_bytes_per_replica),
+            nvme_share=ratio(t.quota.nvme_bytes, pool.nvme_bytes_per_replica),
+            ttl=t.ttl,
+            burst_cap=pool.burst_cap,
+            salt=t.salt_id,
+        )
+        for t in table.tenants.values()
+        if t.pool == pool.name
+    ]
+
+
 def build_tenants(args: argparse.Namespace) -> tuple[list[TenantSpec], list[TenantLoad]]:
     ttl = TierTTLs(hbm_seconds=args.hbm_ttl, cpu_seconds=args.cpu_ttl, nvme_seconds=args.nvme_ttl)
-    texts = args.tenant or ["tenant-a:standard:0.5:100", "tenant-b:standard:0.5:100"]
     specs: list[TenantSpec] = []
     loads: list[TenantLoad] = []
+    if args.tenant_table:
+        specs = build_table_tenants(args)
+        loads = [TenantLoad(s.name, args.sessions_per_tenant, args.think_seconds) for s in specs]
+    texts = args.tenant or ([] if specs else ["tenant-a:standard:0.5:100", "tenant-b:standard:0.5:100"])
     for text in texts:
         spec, sessions = parse_tenant(text, ttl)
         specs.append(spec)

@@ -71,6 +71,16 @@ class TenantSpec:
     burst_cap: float = 0.5
     #: Cache salt group: tenants with the same salt share prefixes (isolation ``shared``).
     salt: str | None = None
+    #: Quota on the CPU / NVMe tier as a fraction of that tier when it differs from ``share``.
+    cpu_share: float | None = None
+    nvme_share: float | None = None
+
+    def share_of(self, tier: KVTier) -> float:
+        if tier is KVTier.CPU and self.cpu_share is not None:
+            return self.cpu_share
+        if tier is KVTier.NVME and self.nvme_share is not None:
+            return self.nvme_share
+        return self.share
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +289,7 @@ class _Fleet:
             return TierPolicy(tier, capacity, default_limits=everyone)
         limits = {}
         for t in tenants:
-            quota = int(t.share * capacity)
+            quota = int(t.share_of(tier) * capacity)
             limits[t.name] = TenantLimits(
                 quota=quota,
                 burst=max(quota, int(t.burst_cap * capacity)),
