@@ -334,8 +334,10 @@ def test_rbac_is_scoped_to_the_watched_namespace(full_cluster: ControlPlane, ins
     assert not _can(full_cluster, user, "list", "secrets", rel)
 
 
-def _upgrade(plane: ControlPlane, namespace: str, *sets: str) -> subprocess.CompletedProcess[str]:
-    flags = [arg for value in sets for arg in ("--set", value)]
+def _upgrade(
+    plane: ControlPlane, namespace: str, *sets: str, flag: str = "--set"
+) -> subprocess.CompletedProcess[str]:
+    flags = [arg for value in sets for arg in (flag, value)]
     return helm(
         plane,
         "upgrade",
@@ -372,7 +374,7 @@ def test_upgrade_with_changed_values_rolls_the_operator(
 
     # Switching to every namespace: the Roles go, a ClusterRole (with cluster-wide Secrets) comes.
     user = f"system:serviceaccount:{rel}:{RELEASE}"
-    done = _upgrade(full_cluster, rel, "operator.watchNamespaces={}")
+    done = _upgrade(full_cluster, rel, "operator.watchNamespaces=[]", flag="--set-json")
     assert done.returncode == 0, done.stderr
     args = _deployment(full_cluster, rel)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args
