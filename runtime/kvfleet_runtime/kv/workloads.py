@@ -45,6 +45,7 @@ __all__ = [
     "build_rag_chat",
     "read_jsonl_trace",
     "segment_id",
+    "write_jsonl_trace",
 ]
 
 
