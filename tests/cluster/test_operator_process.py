@@ -4,6 +4,7 @@ kill-and-restart convergence, deletion semantics."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import os
 import random
@@ -21,6 +22,7 @@ import pytest
 from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane
 from test_operator_reconcile import (
+    CONFIG,
     condition,
     create,
     get,
@@ -52,7 +54,15 @@ class OperatorProcess:
     def start(self) -> None:
         self.starts += 1
         log = (self.log_dir / f"operator-{self.starts}.log").open("wb")
-        env = {**self.plane.env(), "KVFLEET_RESYNC_SECONDS": "5", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **self.plane.env(),
+            "KVFLEET_RESYNC_SECONDS": "5",
+            "KVFLEET_SALT_SECRET": f"{self.namespace}/kvfleet-salt-master",
+            # The same images as the in-process CONFIG, so both render identical objects.
+            "KVFLEET_ENGINE_IMAGE": CONFIG.images.engine,
+            "KVFLEET_GATEWAY_IMAGE": CONFIG.images.gateway,
+            "PYTHONUNBUFFERED": "1",
+        }
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -206,8 +216,11 @@ def test_killing_the_operator_mid_reconcile_always_converges(
             )
 
         wait_for(converged, timeout=60, interval=0.5, what=f"churn-{i} admitted after a restart")
-    # Everything converged: an extra reconcile has nothing left to do, and nothing is orphaned.
-    _, mutations = reconcile(full_cluster, namespace, "qwen72b")
+    # Everything converged: an extra reconcile (with the operator's own master key) has nothing left
+    # to do, and nothing is orphaned.
+    master = get(full_cluster, f"/api/v1/namespaces/{namespace}/secrets/kvfleet-salt-master")
+    config = dataclasses.replace(CONFIG, salt_master=base64.b64decode(master["data"]["master-key"]))
+    _, mutations = reconcile(full_cluster, namespace, "qwen72b", config)
     assert mutations == 0
     children = owned_children(full_cluster, namespace, "qwen72b")
     assert len(children) == 10  # shared pool (4) + gateway (4) + config (2): no duplicates or leftovers

@@ -26,7 +26,9 @@ from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt, hash
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-CONFIG = OperatorConfig(images=OperatorImages(engine="kvfleet-engine:test", gateway="kvfleet:test"))
+CONFIG = OperatorConfig(
+    images=OperatorImages(engine="kvfleet-engine:test", gateway="kvfleet:test"), salt_master=b"m" * 32
+)
 BANK_KEY = "kvf-bank-test-key-0123456789abcdef"
 
 
@@ -45,11 +47,13 @@ async def _with_client(plane: ControlPlane, fn: Any) -> Any:
         return await fn(client)
 
 
-def reconcile(plane: ControlPlane, namespace: str, name: str) -> tuple[Any, int]:
+def reconcile(
+    plane: ControlPlane, namespace: str, name: str, config: OperatorConfig = CONFIG
+) -> tuple[Any, int]:
     """One reconcile; returns its result and the number of mutating API calls it made."""
 
     async def go(client: KubeClient) -> tuple[Any, int]:
-        result = await reconcile_model_deployment(client, CONFIG, namespace, name)
+        result = await reconcile_model_deployment(client, config, namespace, name)
         return result, client.mutating_calls
 
     out: tuple[Any, int] = run(_with_client(plane, go))

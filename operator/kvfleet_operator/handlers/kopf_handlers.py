@@ -30,6 +30,7 @@ from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYME
 from kvfleet_operator.build.model_deployment import OperatorImages
 from kvfleet_operator.handlers.reconcile import (
     OperatorConfig,
+    load_salt_master,
     reconcile_model_deployment,
     tenants_referencing,
 )
@@ -44,6 +45,8 @@ RESYNC_SECONDS = float(os.environ.get("KVFLEET_RESYNC_SECONDS", "30"))
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
 DEFAULT_GATEWAY_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
+#: ``namespace/name`` of the operator's master-key Secret (created on first start).
+SALT_SECRET = os.environ.get("KVFLEET_SALT_SECRET", "kvfleet-system/kvfleet-salt-master")
 OWNED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 
 
@@ -122,6 +125,7 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         await client.__aexit__()  # kopf retries start-up: do not leak a session per attempt
         raise
     config = OperatorConfig(
+        salt_master=await load_salt_master(client, SALT_SECRET),
         images=OperatorImages(
             engine=os.environ.get("KVFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
             gateway=os.environ.get("KVFLEET_GATEWAY_IMAGE", DEFAULT_GATEWAY_IMAGE),

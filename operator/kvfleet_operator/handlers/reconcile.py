@@ -12,6 +12,8 @@ condition that says why.
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -25,11 +27,9 @@ from kvfleet_operator import metrics
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.manifest import format_validation_error
 from kvfleet_operator.build.common import (
-    KEY_FILE_KEY,
     SHARED_POOL,
     engine_name,
     gateway_name,
-    keys_secret_name,
     owned_selector,
 )
 from kvfleet_operator.build.model_deployment import (
@@ -62,8 +62,16 @@ Obj = dict[str, Any]
 @dataclass(frozen=True)
 class OperatorConfig:
     images: OperatorImages
+    #: The operator's master key (from its own Secret); each ModelDeployment's salt key derives from it,
+    #: so a deleted or edited keys Secret is restored with the same salts (no cache flush, no drift).
+    salt_master: bytes
     #: Whether the cluster serves monitoring.coreos.com/v1 (checked once at start-up).
     monitoring: bool = False
+
+    def salt_key_hex(self, md: ModelDeployment) -> str:
+        meta = md.metadata
+        ident = f"{meta.get('namespace')}/{meta.get('name')}/{meta.get('uid', '')}"
+        return hmac.new(self.salt_master, ident.encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -86,8 +94,8 @@ def _is_deleting(obj: Obj) -> bool:
 
 
 def _decode(secret: Obj, key: str) -> str | None:
-    data = secret.get("data") or {}
-    return base64.b64decode(data[key]).decode() if key in data else None
+    value = _decode_bytes(secret, key)
+    return value.decode() if value is not None else None
 
 
 async def _resolve_key_hashes(
@@ -145,17 +153,36 @@ async def _resolve_key_hashes(
     return hashes, None, secret_name
 
 
-async def _salt_key_hex(client: KubeClient, namespace: str, name: str) -> str:
-    """The ModelDeployment's salt key: kept from the existing keys Secret, generated once otherwise."""
-    existing = await client.get(kinds.SECRET, keys_secret_name(name), namespace)
-    if existing is not None:
-        text = _decode(existing, KEY_FILE_KEY)
-        if text:
-            try:
-                return KeyFile.model_validate_json(text).salt_key_hex
-            except ValidationError:
-                log.warning("keys Secret of %s/%s is unreadable; generating a new salt key", namespace, name)
-    return secrets.token_hex(32)
+async def load_salt_master(client: KubeClient, ref: str) -> bytes:
+    """The operator's master key from Secret ``namespace/name``; created with 256 random bits if absent.
+
+    Deleting that Secret changes every ModelDeployment's cache salts (a one-off flush of all cached KV).
+    """
+    namespace, _, name = ref.partition("/")
+    data_key = "master-key"
+    secret = await client.get(kinds.SECRET, name, namespace)
+    if secret is None:
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/name": "kvfleet"},
+            },
+            "type": "Opaque",
+            "data": {data_key: base64.b64encode(secrets.token_bytes(32)).decode()},
+        }
+        secret = await client.apply(kinds.SECRET, body, force=False)
+    value = _decode_bytes(secret, data_key)
+    if value is None or len(value) < 32:
+        raise ValueError(f"Secret {ref} must hold at least 32 bytes under {data_key!r}")
+    return value
+
+
+def _decode_bytes(secret: Obj, key: str) -> bytes | None:
+    data = secret.get("data") or {}
+    return base64.b64decode(data[key]) if key in data else None
 
 
 def _child_kinds(config: OperatorConfig) -> list[kinds.Kind]:
@@ -257,7 +284,7 @@ async def _reconcile(
 
     if capacity is not None:
         keys = KeyFile(
-            salt_key_hex=await _salt_key_hex(client, namespace, name),
+            salt_key_hex=config.salt_key_hex(md),
             key_hashes={t: h for t, h in sorted(key_hashes.items()) if t in admitted_names},
         )
         desired = build_desired_children(
