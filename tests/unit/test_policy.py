@@ -309,3 +309,15 @@ def test_operations_do_not_slow_down_with_the_number_of_entries() -> None:
     large = max(_ops_per_second(100_000, 20_000) for _ in range(2))
     # O(1)/O(log T) per op: 100x the entries may cost cache misses, never 100x the time.
     assert small / large < 3.0, (small, large)
+
+
+def test_changing_the_default_limits_applies_to_tenants_without_their_own() -> None:
+    policy = TierPolicy(KVTier.HBM, 10, {"known": limits(1, 5)}, default_limits=limits(10, 10))
+    policy.insert("k0", "known", now=0.0)
+    policy.insert("k1", "known", now=0.0)  # known is over its quota of 1
+    policy.insert("s0", "stranger", now=1.0)
+    assert [v.key for v in policy.select_victims(1, now=2.0)] == ["k0"]
+    policy.default_limits = limits(0, 5)  # strangers are now always over quota, infinitely
+    assert policy.limits("stranger").quota == 0
+    assert policy.limits("known").quota == 1
+    assert [v.key for v in policy.select_victims(1, now=3.0)] == ["s0"]

@@ -206,7 +206,7 @@ class TierPolicy:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.tier = tier
         self.capacity = capacity
-        self.default_limits = default_limits or TenantLimits(
+        self._default_limits = default_limits or TenantLimits(
             quota=0, burst=int(capacity * DEFAULT_BURST_CAP), ttl_seconds=_DEFAULT_TTL[tier]
         )
         self._limits: dict[str, TenantLimits] = dict(limits or {})
@@ -251,7 +251,19 @@ class TierPolicy:
         return TenantUsage(state.entries, state.size, state.pinned)
 
     def limits(self, tenant: str) -> TenantLimits:
-        return self._limits.get(tenant, self.default_limits)
+        return self._limits.get(tenant, self._default_limits)
+
+    @property
+    def default_limits(self) -> TenantLimits:
+        """Limits of every tenant without its own; assigning applies at once to those tenants."""
+        return self._default_limits
+
+    @default_limits.setter
+    def default_limits(self, limits: TenantLimits) -> None:
+        self._default_limits = limits
+        for name, state in self._tenants.items():
+            if name not in self._limits:
+                state.limits = limits
 
     def set_limits(self, tenant: str, limits: TenantLimits | None) -> None:
         """Change (or with ``None`` drop back to the default) a tenant's limits; takes effect at once."""
