@@ -282,6 +282,10 @@ def test_overcommitting_tenant_is_rejected_with_numbers_and_nothing_applied(
     assert full_cluster.request("GET", f"/api/v1/namespaces/{examples_ns}/secrets/greedy-api-key")[0] == 404
     cm = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/configmaps/qwen72b-tenants")
     assert "greedy" not in TenantTable.model_validate_json(cm["data"]["tenants.json"]).tenants
+    # What `kubectl describe tn greedy` shows under Events.
+    events = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/events")["items"]
+    mine = [e for e in events if e["involvedObject"]["name"] == "greedy"]
+    assert [(e["type"], e["reason"]) for e in mine] == [("Warning", "QuotaExceedsCapacity")]
 
 
 def test_missing_secret_and_dangling_reference_say_what_to_do(

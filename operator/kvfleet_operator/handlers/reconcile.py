@@ -191,13 +191,21 @@ def _child_kinds(config: OperatorConfig) -> list[kinds.Kind]:
 
 
 async def _write_status(client: KubeClient, kind: kinds.Kind, raw: Obj, desired: Obj) -> None:
-    if st.status_changed(raw.get("status"), desired):
-        meta = raw["metadata"]
-        try:
-            await client.apply_status(kind, meta["name"], meta.get("namespace"), desired)
-        except ApiError as exc:
-            if not exc.not_found:  # deleted meanwhile: nothing to report on
-                raise
+    """Write ``desired`` only if it changes something; an Event when Ready flips or changes reason."""
+    if not st.status_changed(raw.get("status"), desired):
+        return
+    meta = raw["metadata"]
+    try:
+        await client.apply_status(kind, meta["name"], meta.get("namespace"), desired)
+    except ApiError as exc:
+        if exc.not_found:  # deleted meanwhile: nothing to report on
+            return
+        raise
+    event = st.compute_ready_event(
+        raw, (raw.get("status") or {}).get("conditions"), desired.get("conditions")
+    )
+    if event is not None:
+        await client.create_event(str(meta.get("namespace")), event)
 
 
 def _problem(reason: str, message: str) -> Condition:

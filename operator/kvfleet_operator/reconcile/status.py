@@ -183,6 +183,39 @@ def compute_tenant_status(
     return status.model_dump(by_alias=True, mode="json", exclude_none=True)
 
 
+def _ready(conditions: Sequence[Obj] | None) -> Obj:
+    return next((c for c in conditions or [] if c.get("type") == "Ready"), {})
+
+
+def compute_ready_event(obj: Obj, before: Sequence[Obj] | None, after: Sequence[Obj] | None) -> Obj | None:
+    """A Kubernetes Event when the Ready condition flips or changes reason: what a human should notice
+    (``kubectl describe`` shows it). ``None`` when nothing worth telling happened."""
+    old, new = _ready(before), _ready(after)
+    if not new or (old.get("status"), old.get("reason")) == (new.get("status"), new.get("reason")):
+        return None
+    meta = obj["metadata"]
+    now = str(new.get("lastTransitionTime") or "")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
+        "involvedObject": {
+            "apiVersion": obj.get("apiVersion"),
+            "kind": obj.get("kind"),
+            "name": meta["name"],
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+        },
+        "type": "Normal" if new.get("status") == "True" else "Warning",
+        "reason": new.get("reason", "Unknown"),
+        "message": str(new.get("message", ""))[:1024],
+        "source": {"component": "kvfleet-operator"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+
+
 def status_changed(current: Obj | None, desired: Obj) -> bool:
     """Whether writing ``desired`` would change anything (so a converged object is not written)."""
     return not is_subset(desired, current or {})
