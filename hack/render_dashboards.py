@@ -46,6 +46,8 @@ class PanelData:
     threshold: float | None
     queries: list[str]
     series: list[Series] = field(default_factory=list)
+    #: Per query (same order as ``queries``): how many of its series have at least one sample.
+    series_with_data: list[int] = field(default_factory=list)
 
     @property
     def has_data(self) -> bool:
@@ -78,9 +80,12 @@ def collect_panel(
     for query in panel.queries:
         expr = substitute_grafana_variables(query.expr, values)
         data.queries.append(expr)
+        with_data = 0
         for item in query_range(base_url, expr, start, end, step):
             points = [(float(t), float(v)) for t, v in item["values"] if v not in ("NaN", "+Inf", "-Inf")]
             data.series.append(Series(format_legend(query.legend, item["metric"]), points))
+            with_data += bool(points)
+        data.series_with_data.append(with_data)
     return data
 
 

@@ -108,13 +108,14 @@ def ratio(num: str, den: str, selector: str, by: str = "") -> str:
     return f"{rate(num, selector, by)} / {rate(den, selector, by)}"
 
 
-def or_zero(expr: str, baseline: str) -> str:
-    """``expr``, or 0 for every series of ``baseline`` when ``expr`` has none.
+def or_zero(expr: str, baseline: str, on: str) -> str:
+    """``expr``, plus a 0 series for every series of ``baseline`` whose ``on`` labels ``expr`` lacks.
 
     For counters of rare events (errors, throttles, evictions) whose labelled series only appear with the
-    first event: the panel shows a flat 0 per tenant/pool instead of "No data".
+    first event: the panel shows a flat 0 per tenant/pool instead of "No data", and nothing extra for a
+    tenant/pool that has events.
     """
-    return f"({expr}) or ({baseline} * 0)"
+    return f"({expr}) or on ({on}) ({baseline} * 0)"
 
 
 def _bucket(name: str) -> str:
@@ -211,6 +212,7 @@ FLEET = DashboardSpec(
                             or_zero(
                                 rate(gw.UPSTREAM_ERRORS_TOTAL, "", "pool, kind"),
                                 f"sum by (pool) ({gw.REPLICA_HEALTHY})",
+                                on="pool",
                             ),
                             "{{pool}} {{kind}}",
                         )
@@ -279,6 +281,7 @@ TENANT_DASHBOARD = DashboardSpec(
                             or_zero(
                                 rate(gw.THROTTLED_TOTAL, LMCACHE_TENANT, "tenant, reason"),
                                 rate(gw.REQUESTS_TOTAL, LMCACHE_TENANT, "tenant"),
+                                on="tenant",
                             ),
                             "{{tenant}} {{reason}}",
                         )
@@ -324,6 +327,7 @@ TENANT_DASHBOARD = DashboardSpec(
                             or_zero(
                                 rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
                                 f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                                on="tenant",
                             ),
                             "{{tenant}} hbm {{reason}}",
                         ),
@@ -331,6 +335,7 @@ TENANT_DASHBOARD = DashboardSpec(
                             or_zero(
                                 rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, tier"),
                                 f"sum by (tenant, tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                                on="tenant, tier",
                             ),
                             "{{tenant}} {{tier}} ttl",
                         ),
@@ -432,6 +437,7 @@ KV_TIERS = DashboardSpec(
                             or_zero(
                                 rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
                                 f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                                on="tenant",
                             ),
                             "{{tenant}} {{reason}}",
                         )
@@ -450,6 +456,7 @@ KV_TIERS = DashboardSpec(
                             or_zero(
                                 rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tier, tenant"),
                                 f"sum by (tier, tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                                on="tier, tenant",
                             ),
                             "{{tier}} {{tenant}}",
                         )
@@ -463,6 +470,7 @@ KV_TIERS = DashboardSpec(
                             or_zero(
                                 rate(LMCACHE_SALT_REMOVALS, "", "endpoint"),
                                 f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
+                                on="endpoint",
                             ),
                             "{{endpoint}}",
                         )
@@ -478,6 +486,7 @@ KV_TIERS = DashboardSpec(
                             or_zero(
                                 rate(LMCACHE_SYNC_ERRORS, "", "endpoint"),
                                 f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
+                                on="endpoint",
                             ),
                             "{{endpoint}} errors/s",
                         ),
@@ -513,6 +522,7 @@ OPERATOR = DashboardSpec(
                             or_zero(
                                 rate(om.RECONCILES, 'outcome="error"', "kind"),
                                 rate(om.RECONCILES, "", "kind"),
+                                on="kind",
                             ),
                             "{{kind}}",
                         )
