@@ -156,6 +156,7 @@ def test_monitoring_objects_only_with_their_api() -> None:
     docs = render(*MONITORING)
     monitor = only(docs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
     rule = only(docs, "PrometheusRule")
     shipped = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
     assert rule["spec"] == shipped

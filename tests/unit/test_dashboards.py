@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import render_dashboards
 import yaml
 from devcluster import find_binary
 from devcluster.binaries import PROMETHEUS_COMMAND
@@ -250,3 +251,37 @@ def test_each_dashboard_has_the_panels_the_issue_lists(spec: DashboardSpec, want
         assert any(want.lower() in t.lower() for t in titles), (
             f"{spec.uid}: no panel about {want!r}: {titles}"
         )
+
+
+@pytest.mark.parametrize(
+    ("template", "labels", "legend"),
+    [
+        ("{{tenant}} {{reason}}", {"tenant": "acme", "reason": "lru"}, "acme lru"),
+        ("{{tenant}} p99", {"tenant": "acme"}, "acme p99"),
+        ("{{ tenant }} {{reason}}", {"tenant": "acme"}, "acme"),
+        ("__auto", {"__name__": "x", "pool": "shared"}, "pool=shared"),
+        ("", {}, "value"),
+    ],
+)
+def test_rendered_legends_follow_grafanas_legend_format(
+    template: str, labels: dict[str, str], legend: str
+) -> None:
+    assert render_dashboards.format_legend(template, labels) == legend
+
+
+def test_a_panel_renders_to_png(tmp_path: Path) -> None:
+    """The renderer draws every panel, thresholds included, without a Prometheus (data given)."""
+    panels = [
+        render_dashboards.PanelData(
+            panel.title,
+            panel.unit,
+            panel.threshold,
+            [q.expr for q in panel.queries],
+            [render_dashboards.Series("a", [(0.0, 0.1), (60.0, 0.7)])],
+            [1] * len(panel.queries),
+        )
+        for _, row in FLEET.rows
+        for panel in row
+    ]
+    path = render_dashboards.render_dashboard(FLEET, panels, tmp_path / "fleet.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
