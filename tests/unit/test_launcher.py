@@ -173,3 +173,41 @@ def test_stale_lmcache_shm_files_of_dead_workers_are_removed(tmp_path: Path) -> 
     (tmp_path / "psm_abc").write_bytes(b"x")
     assert remove_stale_lmcache_shm(tmp_path) == [f"lmcache_kv_{finished.pid}_0"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"lmcache_kv_{os.getpid()}_0", "psm_abc"])
+
+
+def test_pool_engine_settings_reach_the_vllm_command_line() -> None:
+    from kvfleet_runtime.config import EngineSettings, PoolEntry, TenantTable
+    from kvfleet_runtime.engine.launcher import build_plugin_env, build_pool_engine_settings, build_vllm_args
+
+    engine = EngineSettings(
+        model="/models/m",
+        tensor_parallel_size=2,
+        kv_cache_dtype="fp8_e5m2",
+        max_num_batched_tokens=8192,
+        enable_chunked_prefill=True,
+        max_model_len=4096,
+    )
+    table = TenantTable(
+        model_deployment="ns/md",
+        served_model_name="m",
+        pool_salt_id="pool",
+        pools={"shared": PoolEntry(name="shared", block_size=32, hbm_blocks_per_replica=1000, engine=engine)},
+        tenants={},
+    )
+    vllm, _ = build_pool_engine_settings(
+        table, "shared", model="/models/m", vllm_port=8000, lmcache_port=1, lmcache_http_port=2, nvme_dir=None
+    )
+    argv = build_vllm_args(vllm)
+    joined = " ".join(argv)
+    assert "--kv-cache-dtype fp8_e5m2" in joined
+    assert "--tensor-parallel-size 2" in joined
+    assert "--max-num-batched-tokens 8192" in joined
+    assert "--max-model-len 4096" in joined
+    assert "--enable-chunked-prefill" in argv
+    env = build_plugin_env(Path("/c/tenants.json"), Path("/k/keys.json"), "shared", 8001)
+    assert env == {
+        "KVFLEET_TENANT_TABLE": "/c/tenants.json",
+        "KVFLEET_KEY_FILE": "/k/keys.json",
+        "KVFLEET_POOL": "shared",
+        "KVFLEET_PLUGIN_METRICS_PORT": "8001",
+    }

@@ -28,6 +28,8 @@ LMCACHE_HTTP_PORT = 6556
 GATEWAY_PORT = 8080
 
 CONFIG_DIR = "/etc/kvfleet/config"
+MODEL_MOUNT = "/models"
+NVME_MOUNT = "/var/lib/kvfleet/nvme"
 KEYS_DIR = "/etc/kvfleet/keys"
 TENANT_TABLE_KEY = "tenants.json"
 KEY_FILE_KEY = "keys.json"

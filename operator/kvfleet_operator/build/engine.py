@@ -1,14 +1,14 @@
 """Engine pool workloads: a StatefulSet of vLLM + LMCache pods and its headless Service. Pure.
 
-Each replica is a pod with three containers that all run the kvfleet engine image:
+Each replica is a pod whose one container runs ``kvfleet engine launch`` (the engine image): it builds
+vLLM's and LMCache's command lines from the pool's settings in the tenant table (so the operator and the
+local demo start them the same way) and supervises, in one process group:
 
-* ``vllm``: ``kvfleet engine launch vllm`` builds vLLM's command line from the pool's engine settings in
-  the tenant table (so the operator and the local demo start vLLM the same way) with the tenant-aware
-  block-pool plugin enabled;
-* ``lmcache``: ``kvfleet engine launch lmcache``, the LMCache server (CPU tier L1, NVMe tier L2 on the
-  replica's volume, ``IsolatedLRU`` eviction, HTTP API for quotas);
-* ``lmcache-sync``: keeps LMCache's per-tenant quotas in step with the tenant table and exports
-  per-tenant tier usage.
+* the LMCache server (CPU tier L1, NVMe tier L2 on the replica's volume, ``IsolatedLRU`` on L2, HTTP API
+  for quotas on loopback);
+* vLLM's OpenAI server with the tenant-aware block-pool plugin enabled (per-tenant KV metrics on
+  ``kv-metrics``);
+* the quota sync, which keeps LMCache's per-tenant quotas in step with the table (``sync-metrics``).
 
 A StatefulSet (not a Deployment) gives replicas stable DNS names, which the gateway's prefix affinity
 hashes onto, and one NVMe volume per replica.
@@ -26,6 +26,8 @@ from kvfleet_operator.build.common import (
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
     LMCACHE_SYNC_METRICS_PORT,
+    MODEL_MOUNT,
+    NVME_MOUNT,
     PLUGIN_METRICS_PORT,
     TENANT_TABLE_KEY,
     Obj,
@@ -39,9 +41,6 @@ from kvfleet_operator.build.common import (
     restricted_pod_security,
     selector_labels,
 )
-
-NVME_MOUNT = "/var/lib/kvfleet/nvme"
-MODEL_MOUNT = "/models"
 
 
 @dataclass(frozen=True)
@@ -70,6 +69,8 @@ class PoolWorkload:
     owner: Owner
     replicas: int
     image: str
+    #: What vLLM loads (a path under /models for PVC sources, else a Hugging Face id or URI).
+    model: str
     gpus_per_replica: int
     gpu_resource: str = "nvidia.com/gpu"
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -123,11 +124,33 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
     labels = object_labels(w.model_deployment, "engine", w.pool)
     selector = selector_labels(w.model_deployment, "engine", w.pool)
     gpu = str(w.gpus_per_replica)
-    vllm: Obj = {
-        "name": "vllm",
+    engine: Obj = {
+        "name": "engine",
         "image": w.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["kvfleet", "engine", "launch", "vllm", *_config_args(w.pool)],
+        "command": [
+            "kvfleet",
+            "engine",
+            "launch",
+            *_config_args(w.pool),
+            "--model",
+            w.model,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(ENGINE_PORT),
+            "--lmcache-port",
+            str(LMCACHE_PORT),
+            "--lmcache-http-port",
+            str(LMCACHE_HTTP_PORT),
+            "--metrics-port",
+            str(LMCACHE_SYNC_METRICS_PORT),
+            "--plugin-metrics-port",
+            str(PLUGIN_METRICS_PORT),
+            "--state-dir",
+            "/tmp/kvfleet",
+            *(["--nvme-dir", NVME_MOUNT] if w.nvme is not None else []),
+        ],
         "env": [
             {"name": "HOME", "value": "/tmp"},
             {"name": "VLLM_PLUGINS", "value": "kvfleet"},
@@ -136,6 +159,7 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
             {"name": "kv-metrics", "containerPort": PLUGIN_METRICS_PORT, "protocol": "TCP"},
+            {"name": "sync-metrics", "containerPort": LMCACHE_SYNC_METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": {
             "requests": {"cpu": w.cpu_request, "memory": w.memory_request, w.gpu_resource: gpu},
@@ -155,39 +179,6 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
         "securityContext": restricted_container_security(),
         "volumeMounts": [*_config_mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    lmcache: Obj = {
-        "name": "lmcache",
-        "image": w.image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["kvfleet", "engine", "launch", "lmcache", *_config_args(w.pool)],
-        "env": [{"name": "HOME", "value": "/tmp"}],
-        "ports": [
-            {"name": "lmcache", "containerPort": LMCACHE_PORT, "protocol": "TCP"},
-            {"name": "lmcache-http", "containerPort": LMCACHE_HTTP_PORT, "protocol": "TCP"},
-        ],
-        "readinessProbe": {"tcpSocket": {"port": "lmcache-http"}, "periodSeconds": 5},
-        "securityContext": restricted_container_security(),
-        "volumeMounts": [*_config_mounts(), {"name": "dshm", "mountPath": "/dev/shm"}],
-    }
-    sync: Obj = {
-        "name": "lmcache-sync",
-        "image": w.image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": [
-            "kvfleet",
-            "engine",
-            "lmcache-sync",
-            *_config_args(w.pool),
-            "--lmcache",
-            f"http://127.0.0.1:{LMCACHE_HTTP_PORT}",
-            "--metrics-port",
-            str(LMCACHE_SYNC_METRICS_PORT),
-        ],
-        "ports": [{"name": "sync-metrics", "containerPort": LMCACHE_SYNC_METRICS_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
-        "securityContext": restricted_container_security(),
-        "volumeMounts": _config_mounts(),
-    }
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": config_map_name(w.model_deployment)}},
         {"name": "keys", "secret": {"secretName": keys_secret_name(w.model_deployment)}},
@@ -201,10 +192,10 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
                 "persistentVolumeClaim": {"claimName": w.model_volume.claim_name, "readOnly": True},
             }
         )
-        vllm["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+        engine["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     claim_templates: list[Obj] = []
     if w.nvme is not None:
-        lmcache["volumeMounts"].append({"name": "nvme", "mountPath": NVME_MOUNT})
+        engine["volumeMounts"].append({"name": "nvme", "mountPath": NVME_MOUNT})
         if w.nvme.host_path is not None:
             volumes.append(
                 {"name": "nvme", "hostPath": {"path": w.nvme.host_path, "type": "DirectoryOrCreate"}}
@@ -223,7 +214,7 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
         "enableServiceLinks": False,
         "securityContext": restricted_pod_security(),
         "terminationGracePeriodSeconds": 60,
-        "containers": [vllm, lmcache, sync],
+        "containers": [engine],
         "volumes": volumes,
     }
     if w.node_selector:

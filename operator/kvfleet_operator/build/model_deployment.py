@@ -50,6 +50,7 @@ from kvfleet_operator.build.tenant_table import (
     PoolEndpoints,
     TenantDecision,
     build_tenant_table,
+    model_path,
 )
 from kvfleet_runtime.config import KeyFile, TenantTable, dump_json
 
@@ -91,6 +92,7 @@ def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkloa
         owner=owner_of(md),
         replicas=spec.pool.replicas,
         image=spec.engine.image or images.engine,
+        model=model_path(md),
         gpus_per_replica=spec.pool.gpus_per_replica,
         node_selector=node_selector,
         tolerations=tuple(
@@ -124,6 +126,7 @@ def _dedicated_workload(
         owner=owner_of(tenant),
         replicas=dedicated.replicas,
         image=shared.image,
+        model=shared.model,
         gpus_per_replica=shared.gpus_per_replica,
         node_selector=node_selector,
         tolerations=(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.units import parse_duration, parse_quantity
-from kvfleet_operator.build.common import SHARED_POOL
+from kvfleet_operator.build.common import MODEL_MOUNT, NVME_MOUNT, SHARED_POOL
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
     EngineSettings,
@@ -41,8 +41,6 @@ from kvfleet_runtime.kv.sizing import (
     compute_replica_capacity,
 )
 
-MODEL_MOUNT = "/models"
-NVME_MOUNT = "/var/lib/kvfleet/nvme"
 DEFAULT_BURST = "50%"
 
 REASON_ADMITTED = "Admitted"

@@ -80,6 +80,15 @@ def register(subparsers: Any) -> None:
     )
     launch.add_argument("--startup-timeout", type=float, default=900.0)
     launch.add_argument(
+        "--plugin-metrics-port",
+        type=int,
+        default=None,
+        help="Port of the engine plugin's per-tenant KV metrics (default: the pool's plugin_metrics_port).",
+    )
+    launch.add_argument(
+        "--no-plugin", action="store_true", help="Run vLLM's stock block pool (for comparisons)."
+    )
+    launch.add_argument(
         "--state-dir", type=Path, default=None, help="Logs and vLLM caches (default: a temp dir)."
     )
     launch.add_argument("vllm_args", nargs=argparse.REMAINDER, help="Extra vLLM arguments after '--'.")
@@ -164,12 +173,19 @@ def _launch(args: argparse.Namespace) -> int:
         model_max_len=launcher.read_model_max_len(args.model),
     )
     extra = [a for a in args.vllm_args if a != "--"]
-    if extra or args.cpu_kv_gib is not None:
-        vllm = replace(
-            vllm,
-            extra_args=tuple(extra),
-            cpu_kv_cache_gib=args.cpu_kv_gib if args.cpu_kv_gib is not None else vllm.cpu_kv_cache_gib,
-        )
+    vllm = replace(
+        vllm,
+        extra_args=vllm.extra_args + tuple(extra),
+        cpu_kv_cache_gib=args.cpu_kv_gib if args.cpu_kv_gib is not None else vllm.cpu_kv_cache_gib,
+        extra_env={
+            **vllm.extra_env,
+            **(
+                {}
+                if args.no_plugin
+                else launcher.build_plugin_env(args.config, args.keys, pool, args.plugin_metrics_port)
+            ),
+        },
+    )
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="kvfleet-engine-"))
     state_dir.mkdir(parents=True, exist_ok=True)
     procs: list[launcher.EngineProcess] = []

@@ -32,11 +32,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from kvfleet_runtime.config import PoolEntry, TenantTable
+from kvfleet_runtime.config import EngineSettings, PoolEntry, TenantTable
+from kvfleet_runtime.engine.plugin_config import ENV_KEY_FILE, ENV_METRICS_PORT, ENV_POOL, ENV_TENANT_TABLE
 
 GIB = 1 << 30
 
@@ -215,6 +216,9 @@ def build_pool_engine_settings(
     max_len = None
     if blocks is not None and model_max_len is not None:
         max_len = compute_max_model_len(blocks, pool.block_size, model_max_len)
+    engine = pool.engine
+    if engine is not None and engine.max_model_len is not None:
+        max_len = min(max_len, engine.max_model_len) if max_len is not None else engine.max_model_len
     lmcache: LMCacheSettings | None = None
     if pool.cpu_bytes_per_replica or pool.nvme_bytes_per_replica:
         lmcache = LMCacheSettings(
@@ -234,7 +238,48 @@ def build_pool_engine_settings(
         max_model_len=max_len,
         lmcache=LMCacheConnection(host=host, port=lmcache_port) if lmcache else None,
     )
+    if engine is not None:
+        vllm = replace(
+            vllm,
+            kv_cache_dtype=engine.kv_cache_dtype,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            scheduling_policy=engine.scheduling_policy,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            extra_args=tuple(build_parallel_args(engine)) + tuple(engine.extra_args),
+        )
     return vllm, lmcache
+
+
+def build_parallel_args(engine: EngineSettings) -> list[str]:
+    """vLLM flags for the pool's parallelism and chunked prefill (only those that differ from vLLM's
+    defaults, so a CPU pool's command line stays short)."""
+    args: list[str] = []
+    for flag, value in (
+        ("--tensor-parallel-size", engine.tensor_parallel_size),
+        ("--pipeline-parallel-size", engine.pipeline_parallel_size),
+        ("--data-parallel-size", engine.data_parallel_size),
+    ):
+        if value != 1:
+            args += [flag, str(value)]
+    if engine.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
+    args.append(
+        "--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill"
+    )
+    if engine.revision:
+        args += ["--revision", engine.revision]
+    return args
+
+
+def build_plugin_env(config: Path, keys: Path, pool: str, metrics_port: int | None = None) -> dict[str, str]:
+    """The environment that enables kvfleet's tenant-aware block pool in vLLM (see engine/plugin_config.py).
+
+    Without it the plugin stays inert and vLLM runs its stock block pool.
+    """
+    env = {ENV_TENANT_TABLE: str(config), ENV_KEY_FILE: str(keys), ENV_POOL: pool}
+    if metrics_port is not None:
+        env[ENV_METRICS_PORT] = str(metrics_port)
+    return env
 
 
 def remove_stale_lmcache_shm(shm_dir: Path = Path("/dev/shm")) -> list[str]:  # noqa: S108 - a fixed OS path
