@@ -9,13 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet_runtime.config import Isolation, KVQuota, PoolEntry, SlaTier, TenantEntry, TenantTable
+from kvfleet_runtime.config import (
+    EngineSettings,
+    Isolation,
+    KVQuota,
+    PoolEntry,
+    SlaTier,
+    TenantEntry,
+    TenantTable,
+)
 from kvfleet_runtime.engine.launcher import (
     LMCacheConnection,
     LMCacheSettings,
     VllmSettings,
     build_kv_transfer_config,
     build_lmcache_args,
+    build_plugin_env,
     build_pool_engine_settings,
     build_vllm_args,
     build_vllm_env,
@@ -176,9 +185,6 @@ def test_stale_lmcache_shm_files_of_dead_workers_are_removed(tmp_path: Path) -> 
 
 
 def test_pool_engine_settings_reach_the_vllm_command_line() -> None:
-    from kvfleet_runtime.config import EngineSettings, PoolEntry, TenantTable
-    from kvfleet_runtime.engine.launcher import build_plugin_env, build_pool_engine_settings, build_vllm_args
-
     engine = EngineSettings(
         model="/models/m",
         tensor_parallel_size=2,
