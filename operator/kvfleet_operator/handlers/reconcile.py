@@ -99,7 +99,7 @@ def _decode(secret: Obj, key: str) -> str | None:
 
 
 async def _resolve_key_hashes(
-    client: KubeClient, tenant: Tenant, *, generate: bool
+    client: KubeClient, tenant: Tenant, secrets_by_name: dict[str, Obj], *, generate: bool
 ) -> tuple[list[str] | None, Condition | None, str]:
     """Hashes of the tenant's valid API keys, a problem, and the Secret's name.
 
@@ -108,7 +108,7 @@ async def _resolve_key_hashes(
     """
     namespace = str(tenant.metadata["namespace"])
     secret_name, data_key = api_key_secret_ref(tenant)
-    secret = await client.get(kinds.SECRET, secret_name, namespace)
+    secret = secrets_by_name.get(secret_name)
     if secret is None:
         if tenant.spec.api_key_secret_ref is not None:
             return (
@@ -251,13 +251,21 @@ async def _reconcile(
     key_hashes: dict[str, list[str]] = {}
     to_generate: list[Tenant] = []
     raw_by_name = {str(t["metadata"]["name"]): t for t in raw_tenants}
+    # One LIST instead of a GET per tenant: a ModelDeployment may have hundreds of tenants.
+    secrets_by_name = (
+        {str(s["metadata"]["name"]): s for s in await client.list(kinds.SECRET, namespace)}
+        if raw_by_name
+        else {}
+    )
     for tname, raw in raw_by_name.items():
         try:
             tenant = Tenant.model_validate(raw)
         except ValidationError as exc:
             tenant_problems[tname] = (_problem(st.INVALID_SPEC, "; ".join(format_validation_error(exc))), "")
             continue
-        hashes, problem, secret_name = await _resolve_key_hashes(client, tenant, generate=False)
+        hashes, problem, secret_name = await _resolve_key_hashes(
+            client, tenant, secrets_by_name, generate=False
+        )
         if problem is not None:
             tenant_problems[tname] = (problem, secret_name)
             continue
@@ -279,7 +287,9 @@ async def _reconcile(
     for tenant in to_generate:
         tname = str(tenant.metadata["name"])
         if tname in admitted_names:
-            hashes, _problem_unused, _name = await _resolve_key_hashes(client, tenant, generate=True)
+            hashes, _problem_unused, _name = await _resolve_key_hashes(
+                client, tenant, secrets_by_name, generate=True
+            )
             if hashes:
                 key_hashes[tname] = hashes
 
