@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,8 +14,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from test_gateway_support import TenantSpec, build_keys, build_table
 
+from kvfleet_runtime.cli import main
 from kvfleet_runtime.config import KeyFile, TenantTable
 from kvfleet_runtime.gateway.admission import GateLimits, TenantGate, Throttled, TokenBucket
+from kvfleet_runtime.gateway.cli import parse_listen
 from kvfleet_runtime.gateway.rewrite import (
     STRIPPED_BODY_FIELDS,
     BadRequest,
@@ -283,3 +287,28 @@ def test_load_errors_are_described_without_input_values() -> None:
         TenantTable.model_validate_json(b'{"tenants": SECRET')
     assert "SECRET" not in describe_error(bad_json.value)
     assert "SECRET" not in describe_error(OSError(2, "No such file", "/SECRET"))
+
+
+# -- command line ---------------------------------------------------------------------------------------
+def test_listen_flag_and_bad_config_exit_code(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert parse_listen("127.0.0.1:8080") == ("127.0.0.1", 8080)
+    assert parse_listen("[::1]:9000") == ("::1", 9000)
+    assert parse_listen(":8080") == ("0.0.0.0", 8080)
+    for bad in ("8080", "host:", "host:99999", "host:x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_listen(bad)
+    (tmp_path / "tenants.json").write_text('{"tenants": "SECRET"}')
+    (tmp_path / "keys.json").write_text("{}")
+    code = main(
+        [
+            "gateway",
+            "--config",
+            str(tmp_path / "tenants.json"),
+            "--keys",
+            str(tmp_path / "keys.json"),
+            "--listen",
+            "127.0.0.1:1",
+        ]
+    )
+    assert code == 2
+    assert "cannot start" in caplog.text and "SECRET" not in caplog.text
