@@ -142,11 +142,12 @@ def main() -> int:
             "KVFLEET_SALT_SECRET": f"{namespace}/kvfleet-salt-master",
             "KVFLEET_RESYNC_SECONDS": "60",
         }
+        log = Path(os.environ.get("KVFLEET_SCALE_LOG", os.devnull)).open("wb")
         started = time.monotonic()
         operator = subprocess.Popen(
             [sys.executable, "-m", "kvfleet_runtime", "operator", "--namespace", namespace,
              "--metrics-port", str(metrics_port), "--probe-address", f"127.0.0.1:{_free_port()}"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         ready = 0
         while time.monotonic() - started < args.timeout:
@@ -167,6 +168,11 @@ def main() -> int:
             "operator_peak_rss_mib": round(peak_rss_mib(operator.pid), 1),
         }
         print(json.dumps(result))
+        events = plane.request("GET", f"/api/v1/namespaces/{namespace}/events")[1]["items"]
+        reasons: dict[str, int] = {}
+        for event in events:
+            reasons[event["reason"]] = reasons.get(event["reason"], 0) + 1
+        print(json.dumps({"events_by_reason": reasons}))
         return 0 if ready == args.tenants else 1
     finally:
         if operator is not None and operator.poll() is None:

@@ -276,8 +276,9 @@ def start_data_plane(stack: Stack, plane: ControlPlane) -> DataPlane:
 
 
 def words(seed: str, n: int) -> str:
+    """``n`` plain words after ``seed``: distinct seeds give distinct first blocks, hence distinct KV."""
     vocabulary = ("cache", "tenant", "quota", "block", "prefix", "token", "tier", "engine", "latency", "pool")
-    return " ".join(f"{vocabulary[(i * 7 + len(seed)) % len(vocabulary)]}{seed}{i % 13}" for i in range(n))
+    return f"{seed}: " + " ".join(vocabulary[(i * 7 + len(seed)) % len(vocabulary)] for i in range(n))
 
 
 @dataclass

@@ -84,10 +84,7 @@ class OperatorState:
 
     async def reconcile(self, namespace: str, name: str) -> None:
         async def _run() -> None:
-            before = dict(self.client.calls)
             result = await reconcile_model_deployment(self.client, self.config, namespace, name)
-            for verb, count in self.client.calls.items():
-                metrics.api_calls.labels(verb).inc(count - before.get(verb, 0))
             for change in result.applied + result.deleted:
                 log.info("%s/%s: %s", namespace, name, change)
 
@@ -115,7 +112,7 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         group, _sep, version = kind.api_version.rpartition("/")
         selector = Selector(group=group, version=version, plural=kind.plural)
         settings.watching.label_selectors[selector] = OWNED_SELECTOR
-    client = KubeClient(Credentials.discover())
+    client = KubeClient(Credentials.discover(), observer=lambda verb: metrics.api_calls.labels(verb).inc())
     await client.__aenter__()
     try:
         monitoring = await client.api_group_exists("monitoring.coreos.com/v1")

@@ -14,6 +14,7 @@ import os
 import ssl
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -138,6 +139,8 @@ class KubeClient:
 
     credentials: Credentials
     calls: Counter[str] = field(default_factory=Counter)
+    #: Called with the verb of every call (the operator feeds its api_calls metric from here).
+    observer: Callable[[str], None] | None = None
     _session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
@@ -172,6 +175,8 @@ class KubeClient:
         if self._session is None:
             raise RuntimeError("KubeClient used outside 'async with'")
         self.calls[verb] += 1
+        if self.observer is not None:
+            self.observer(verb)
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if data is not None else None
         async with self._session.request(method, path, data=data, params=params, headers=headers) as resp:
