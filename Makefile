@@ -7,6 +7,9 @@ help: ## Show the targets.
 demo: ## Set everything up and run the main job on the embedded local default.
 	@hack/demo.sh
 
+demo-stop: ## Stop what an interrupted `make demo` left behind.
+	@hack/demo.sh --stop
+
 test: ## Provision the real components and run the whole test suite (what CI runs).
 	@hack/test.sh
 
@@ -22,4 +25,4 @@ unit: venv ## Only the unit tests (fast).
 crds: venv ## Regenerate crds/ from the pydantic models.
 	@.venv/bin/python -m kvfleet_operator.api.crdgen crds
 
-.PHONY: help demo test venv lint unit crds
+.PHONY: help demo demo-stop test venv lint unit crds

@@ -404,7 +404,7 @@ def print_report(report: dict[str, Any], prometheus: str) -> None:
     print(yaml.safe_dump(report, sort_keys=False, width=110))
     print(f"Prometheus:   {prometheus}  (try: sum by (tenant) (rate(kvfleet_gateway_requests_total[1m])))")
     print(f"Logs:         {STATE_DIR}")
-    print("Stop:         Ctrl-C here, or `python hack/demo.py --stop` from another shell")
+    print("Stop:         Ctrl-C here, or `make demo-stop` from another shell")
 
 
 # --- main --------------------------------------------------------------------------------------------------
