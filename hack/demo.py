@@ -347,14 +347,18 @@ def run_traffic(dp: DataPlane, rounds: int) -> dict[str, Any]:
     salted = next((t for t, e in dp.table.tenants.items() if e.isolation.value == "salted"), None)
     proof: dict[str, Any] = {}
     if salted:
-        prompt = f"{words(salted, PROMPT_WORDS)} question 0"
-        complete(dp, salted, prompt)
-        owner = complete(dp, salted, prompt)
+        # One prompt per other tenant, each cached by the salted tenant first, so no probe can hit a copy
+        # that another probe (e.g. a shared tenant of the same pool salt) just computed.
+        others = sorted(t for t in dp.table.tenants if t != salted)
+        prompts = {t: f"{words(salted + '-private', PROMPT_WORDS)} for {t}" for t in others}
+        owner = [complete(dp, salted, p) for p in prompts.values()]
+        owner_again = [complete(dp, salted, p) for p in prompts.values()]
         proof = {
             "salted_tenant": salted,
-            "owner_cached_tokens": owner.cached_tokens,
-            "others_cached_tokens": {
-                t: complete(dp, t, prompt).cached_tokens for t in sorted(dp.table.tenants) if t != salted
+            "owner_cold_cached_tokens": sum(s.cached_tokens for s in owner),
+            "owner_repeat_cached_tokens": sum(s.cached_tokens for s in owner_again),
+            "others_cached_tokens_on_the_same_prompts": {
+                t: complete(dp, t, prompts[t]).cached_tokens for t in others
             },
         }
     shared = sorted(t for t, e in dp.table.tenants.items() if e.isolation.value == "shared")
