@@ -350,7 +350,7 @@ def run_traffic(dp: DataPlane, rounds: int) -> dict[str, Any]:
         # One prompt per other tenant, each cached by the salted tenant first, so no probe can hit a copy
         # that another probe (e.g. a shared tenant of the same pool salt) just computed.
         others = sorted(t for t in dp.table.tenants if t != salted)
-        prompts = {t: f"{words(salted + '-private', PROMPT_WORDS)} for {t}" for t in others}
+        prompts = {t: words(f"{salted} private note {i}", PROMPT_WORDS) for i, t in enumerate(others)}
         owner = [complete(dp, salted, p) for p in prompts.values()]
         owner_again = [complete(dp, salted, p) for p in prompts.values()]
         proof = {
