@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -319,20 +318,3 @@ def test_another_vllm_version_fails_loudly_at_start_up(tmp_path: Path, tiny_mode
     )
     assert proc.returncode != 0
     assert "supports vLLM 0.32.x only, but vLLM 0.31.9 is installed" in proc.stderr
-
-
-def test_plugin_overhead_stays_small_on_the_same_requests(
-    plugin_engine: Engine, stock_engine: Engine
-) -> None:
-    """A quick in-suite check; benchmarks/plugin_overhead.py measures it properly (several rounds)."""
-    times: dict[str, list[float]] = {"plugin": [], "stock": []}
-    for _ in range(3):
-        for name, engine in (("plugin", plugin_engine), ("stock", stock_engine)):
-            engine.reset()
-            t0 = time.perf_counter()
-            for i in range(12):
-                engine.complete(tokens(500 + i % 6, 4), "victim")
-            times[name].append(time.perf_counter() - t0)
-    ratio = statistics.median(times["stock"]) / statistics.median(times["plugin"])
-    print(f"\nplugin/stock throughput ratio (12 requests, median of 3): {ratio:.3f}")
-    assert ratio > 0.8  # loose: a loaded 2-core machine; the benchmark holds the 97% bar
