@@ -57,7 +57,7 @@ __all__ = ["TenantAwareBlockPool", "TenantAwareKVCacheManager"]
 logger = logging.getLogger(__name__)
 
 
-class TenantAwareBlockPool(BlockPool):
+class TenantAwareBlockPool(BlockPool):  # type: ignore[misc,unused-ignore]  # Any without vLLM
     """vLLM's ``BlockPool`` whose evictions follow kvfleet's per-tenant policy.
 
     Constructed by vLLM (``KVCacheCoordinator``) with vLLM's arguments only: the tenants then come from
@@ -355,7 +355,7 @@ class TenantAwareBlockPool(BlockPool):
         }
 
 
-class TenantAwareKVCacheManager(KVCacheManager):
+class TenantAwareKVCacheManager(KVCacheManager):  # type: ignore[misc,unused-ignore]  # Any without vLLM
     """vLLM's ``KVCacheManager`` that tells a tenant-aware pool who allocates and who hit the cache.
 
     Two thin overrides; behaviour is unchanged (with a stock pool it is exactly vLLM's manager).
