@@ -46,7 +46,16 @@ def _demo(*args: str) -> subprocess.Popen[str]:
     )
 
 
-MARKERS = ("kvfleet-cluster-", "vllm.entrypoints", "lmcache", "kvfleet_runtime", "prometheus", "/demo/")
+#: Command-line fragments of the kinds of process the demo starts (and nothing else, e.g. not a mypy run).
+MARKERS = (
+    "kvfleet-cluster-",  # etcd, kube-*, kwok (their work folder)
+    "kvfleet-prometheus-",
+    "vllm.entrypoints.openai",
+    "lmcache.cli.main",
+    "kvfleet_runtime engine",
+    "kvfleet_runtime gateway",
+    "kvfleet_runtime operator",
+)
 
 
 def _our_processes() -> dict[str, str]:
