@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -311,3 +312,65 @@ def test_missing_secret_and_dangling_reference_say_what_to_do(
     assert "spec.modelDeploymentRef.name" in ghost_ready["message"]
     cm = get(full_cluster, f"/api/v1/namespaces/{examples_ns}/configmaps/qwen72b-tenants")
     assert "nokey" not in TenantTable.model_validate_json(cm["data"]["tenants.json"]).tenants
+
+
+def _monitoring_crd(plural: str, kind: str) -> dict[str, Any]:
+    """A minimal stand-in for the Prometheus Operator's CRD (its real schema is not available offline;
+    the operator only needs the API to be served)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "names": {"plural": plural, "kind": kind, "singular": kind.lower(), "listKind": f"{kind}List"},
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_monitors_are_created_only_when_the_monitoring_api_exists(
+    full_cluster: ControlPlane, examples_ns: str
+) -> None:
+    crds = [
+        _monitoring_crd("servicemonitors", "ServiceMonitor"),
+        _monitoring_crd("podmonitors", "PodMonitor"),
+    ]
+    for crd in crds:
+        status, body = full_cluster.request(
+            "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd
+        )
+        assert status == 201, body
+    try:
+
+        async def served(client: KubeClient) -> bool:
+            return await client.api_group_exists("monitoring.coreos.com/v1")
+
+        wait_for(lambda: run(_with_client(full_cluster, served)), timeout=30, what="monitoring API served")
+        for plural in ("servicemonitors", "podmonitors"):  # a new CRD's storage answers 429 for a moment
+            path = f"/apis/monitoring.coreos.com/v1/namespaces/{examples_ns}/{plural}"
+            wait_for(lambda path=path: full_cluster.request("GET", path)[0] == 200, timeout=30, what=path)
+        with_monitoring = dataclasses.replace(CONFIG, monitoring=True)
+        for _ in range(3):
+            reconcile(full_cluster, examples_ns, "qwen72b", with_monitoring)
+        sm = get(full_cluster, f"/apis/monitoring.coreos.com/v1/namespaces/{examples_ns}/servicemonitors")
+        pm = get(full_cluster, f"/apis/monitoring.coreos.com/v1/namespaces/{examples_ns}/podmonitors")
+        assert [i["metadata"]["name"] for i in sm["items"]] == ["qwen72b-gateway"]
+        assert [i["metadata"]["name"] for i in pm["items"]] == ["qwen72b-engines"]
+        endpoints = pm["items"][0]["spec"]["podMetricsEndpoints"]
+        assert {e["port"] for e in endpoints} == {"http", "kv-metrics", "sync-metrics"}
+    finally:
+        for crd in crds:
+            full_cluster.request(
+                "DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+            )
