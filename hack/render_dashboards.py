@@ -8,8 +8,8 @@ threshold (SLO or limit) drawn as a red dashed line, the way Grafana draws it.
     PYTHONPATH=dashboards .venv/bin/python hack/render_dashboards.py \
         --prometheus http://127.0.0.1:9090 --minutes 10 --out docs/dashboards
 
-``tests/e2e/test_dashboards_e2e.py`` calls :func:`collect` and :func:`render_all` against the Prometheus it runs
-(scraping a real gateway, vLLM-CPU with the plugin, LMCache and the operator), and writes the pictures
+``tests/e2e/test_dashboards_e2e.py`` calls :func:`collect` and :func:`render_all` against the Prometheus it
+runs (scraping a real gateway, vLLM-CPU with the plugin, LMCache and the operator), and writes the pictures
 under docs/dashboards/ when ``KVFLEET_RENDER_DASHBOARDS=1``.
 """
 
