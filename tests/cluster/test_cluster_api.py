@@ -28,17 +28,15 @@ from cluster_helpers import (
 )
 from devcluster import ControlPlane
 
-try:  # The invalid-manifest table of the API models (tests/unit replays it through pydantic).
-    from kvfleet_operator.api.invalid_manifests import (
-        INVALID_MANIFESTS,
-        InvalidManifestCase,
-        RuleKind,
-        build_base_manifest,
-        build_invalid_manifest,
-        build_old_manifest,
-    )
-except ImportError:  # pragma: no cover - only before the API models exist
-    INVALID_MANIFESTS = ()
+# The invalid-manifest table of the API models (tests/unit replays it through pydantic).
+from kvfleet_operator.api.invalid_manifests import (
+    INVALID_MANIFESTS,
+    InvalidManifestCase,
+    RuleKind,
+    build_base_manifest,
+    build_invalid_manifest,
+    build_old_manifest,
+)
 
 #: A hand-written invalid Tenant: dedicated isolation without its GPU group (a CEL rule on spec).
 DEDICATED_WITHOUT_GROUP: dict[str, Any] = {
@@ -86,8 +84,7 @@ def test_crds_are_accepted_unchanged_and_established(api_cluster: ControlPlane, 
 
 
 def test_valid_base_manifests_are_accepted(api_cluster: ControlPlane, cr_namespace: str) -> None:
-    if not INVALID_MANIFESTS:
-        pytest.skip("no invalid-manifest table yet (kvfleet_operator.api.invalid_manifests)")
+    assert len(INVALID_MANIFESTS) >= 40
     for kind in ("ModelDeployment", "Tenant"):
         manifest = build_base_manifest(kind)
         manifest["metadata"] = {"name": unique_name("valid"), "namespace": cr_namespace}
