@@ -149,33 +149,12 @@ def helm_install(plane: ControlPlane) -> None:
     )  # fmt: skip
 
 
-def service_account_kubeconfig(plane: ControlPlane, namespace: str, sa: str, path: Path) -> Path:
-    """A kubeconfig that authenticates as ``namespace/sa`` (a TokenRequest token, 2 h)."""
-    body = kube(
-        plane,
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts/{sa}/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 7200},
-        },
-    )
-    admin = yaml.safe_load(plane.kubeconfig.read_text())
-    admin["users"] = [{"name": sa, "user": {"token": body["status"]["token"]}}]
-    admin["contexts"] = [{"name": sa, "context": {"cluster": admin["clusters"][0]["name"], "user": sa}}]
-    admin["current-context"] = sa
-    path.write_text(yaml.safe_dump(admin))
-    path.chmod(0o600)
-    return path
-
-
 def start_operator(stack: Stack, plane: ControlPlane, metrics_port: int) -> None:
     deployment = kube(plane, "GET", f"/apis/apps/v1/namespaces/{RELEASE_NS}/deployments/{RELEASE}")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    kubeconfig = service_account_kubeconfig(
-        plane, RELEASE_NS, pod["serviceAccountName"], STATE_DIR / "sa.kubeconfig"
+    kubeconfig = plane.service_account_kubeconfig(
+        RELEASE_NS, pod["serviceAccountName"], STATE_DIR / "sa.kubeconfig"
     )
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVFLEET_RESYNC_SECONDS": "10"}
     env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})

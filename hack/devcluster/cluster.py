@@ -15,6 +15,7 @@ group it started.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -119,6 +120,33 @@ class ControlPlane:
 
         new_client: Any = config.new_client_from_config  # untyped library
         return new_client(config_file=str(self.kubeconfig))
+
+    def service_account_kubeconfig(self, namespace: str, sa: str, path: Path, seconds: int = 7200) -> Path:
+        """A kubeconfig (mode 0600) that authenticates as ServiceAccount ``namespace/sa`` with a
+        TokenRequest token valid for ``seconds``: run a program with exactly that identity's RBAC."""
+        status, body = self.request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{sa}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": seconds},
+            },
+        )
+        if status != 201:
+            raise RuntimeError(f"TokenRequest for {namespace}/{sa} failed: {status} {body}")
+        ca = base64.b64encode(self.pki.ca_cert.read_bytes()).decode()
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "c", "cluster": {"server": self.server, "certificate-authority-data": ca}}],
+            "users": [{"name": sa, "user": {"token": body["status"]["token"]}}],
+            "contexts": [{"name": "sa", "context": {"cluster": "c", "user": sa}}],
+            "current-context": "sa",
+        }
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o600)
+        return path
 
     def env(self) -> dict[str, str]:
         """Environment for kubectl/helm subprocesses: ``KUBECONFIG`` and the binary cache on ``PATH``."""

@@ -94,32 +94,6 @@ def _adopt_crds(plane: ControlPlane, release_ns: str) -> None:
         assert status == 200, body
 
 
-def _token_kubeconfig(plane: ControlPlane, namespace: str, sa: str, path: Path) -> Path:
-    """A kubeconfig that authenticates as ServiceAccount ``namespace/sa`` (a TokenRequest token)."""
-    status, body = plane.request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts/{sa}/token",
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 3600},
-        },
-    )
-    assert status == 201, body
-    ca = base64.b64encode(plane.pki.ca_cert.read_bytes()).decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": plane.server, "certificate-authority-data": ca}}],
-        "users": [{"name": sa, "user": {"token": body["status"]["token"]}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": sa}}],
-        "current-context": "sa",
-    }
-    path.write_text(yaml.safe_dump(config))
-    path.chmod(0o600)
-    return path
-
-
 def _can(
     plane: ControlPlane, user: str, verb: str, resource: str, namespace: str, group: str = "", name: str = ""
 ) -> bool:
@@ -291,7 +265,7 @@ def test_install_wait_and_the_operator_reconciles_the_examples_with_the_charts_i
         create(plane, load_example(name, ns))
 
     sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    kubeconfig = _token_kubeconfig(plane, installed.release_ns, sa, installed.tmp / "sa.kubeconfig")
+    kubeconfig = plane.service_account_kubeconfig(installed.release_ns, sa, installed.tmp / "sa.kubeconfig")
     operator = ChartOperator(plane, deployment, kubeconfig, installed.tmp / "operator.log")
     assert f"--namespace={ns}" in operator.args
     try:
