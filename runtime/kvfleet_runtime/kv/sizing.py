@@ -42,7 +42,7 @@ import math
 import re
 from enum import StrEnum
 from fractions import Fraction
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -132,32 +132,30 @@ _KV_ALIASES: dict[str, KVCacheDtype] = {
 }
 
 
-def parse_weight_dtype(value: str | WeightDtype) -> WeightDtype:
-    """Canonical weight dtype for a name or alias (``bf16``, ``fp16``...); :class:`SizingError` if unknown."""
-    if isinstance(value, WeightDtype):
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _parse_dtype(value: str | _E, enum: type[_E], aliases: dict[str, _E], what: str) -> _E:
+    if isinstance(value, enum):
         return value
     name = str(value).strip().lower()
-    if name in _WEIGHT_ALIASES:
-        return _WEIGHT_ALIASES[name]
+    if name in aliases:
+        return aliases[name]
     try:
-        return WeightDtype(name)
+        return enum(name)
     except ValueError:
-        known = ", ".join(d.value for d in WeightDtype)
-        raise SizingError(f"unknown weight dtype {value!r} (expected one of: {known})") from None
+        known = ", ".join(d.value for d in enum)
+        raise SizingError(f"unknown {what} {value!r} (expected one of: {known})") from None
+
+
+def parse_weight_dtype(value: str | WeightDtype) -> WeightDtype:
+    """Canonical weight dtype for a name or alias (``bf16``, ``fp16``...); :class:`SizingError` if unknown."""
+    return _parse_dtype(value, WeightDtype, _WEIGHT_ALIASES, "weight dtype")
 
 
 def parse_kv_cache_dtype(value: str | KVCacheDtype) -> KVCacheDtype:
     """Canonical KV-cache dtype for a name or alias; :class:`SizingError` if unknown."""
-    if isinstance(value, KVCacheDtype):
-        return value
-    name = str(value).strip().lower()
-    if name in _KV_ALIASES:
-        return _KV_ALIASES[name]
-    try:
-        return KVCacheDtype(name)
-    except ValueError:
-        known = ", ".join(d.value for d in KVCacheDtype)
-        raise SizingError(f"unknown KV cache dtype {value!r} (expected one of: {known})") from None
+    return _parse_dtype(value, KVCacheDtype, _KV_ALIASES, "KV cache dtype")
 
 
 def resolve_kv_cache_dtype(
