@@ -380,10 +380,25 @@ def objects_per_tenant(plane: ControlPlane, tenants: list[dict[str, Any]]) -> di
     return out
 
 
-def print_report(report: dict[str, Any], prometheus: str) -> None:
+def kubectl_get(plane: ControlPlane) -> str:
+    """What `kubectl get md,tn` shows a platform engineer (the CRDs' printer columns)."""
+    kubectl = str(binaries.require_binary("kubectl"))
+    done = subprocess.run(
+        [kubectl, "get", "modeldeployments,tenants", "-n", DEMO_NS],
+        env=plane.env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+def print_report(report: dict[str, Any], prometheus: str, kubectl_output: str) -> None:
     print()
     print("kvfleet demo report")
     print("===================")
+    print(f"$ kubectl get md,tn -n {DEMO_NS}")
+    print(kubectl_output)
     print(yaml.safe_dump(report, sort_keys=False, width=110))
     print(f"Prometheus:   {prometheus}  (try: sum by (tenant) (rate(kvfleet_gateway_requests_total[1m])))")
     print(f"Logs:         {STATE_DIR}")
@@ -440,7 +455,7 @@ def run(keep: bool, rounds: int, report_path: Path | None) -> int:
         }
         if report_path is not None:
             report_path.write_text(json.dumps(report, indent=2))
-        print_report(report, stack.prometheus.url)
+        print_report(report, stack.prometheus.url, kubectl_get(plane))
         if keep:
             say("everything is running; Ctrl-C stops it")
             while True:

@@ -101,6 +101,12 @@ def test_demo_runs_the_whole_system_and_reports(tmp_path: Path) -> None:
     for name in tenants:
         assert report["objects_per_tenant"][name]["api_key_secret"] == f"{name}-api-key"
     assert "Prometheus:" in out and "make demo-stop" in out
+    # kubectl get md,tn: the printer columns, every tenant Ready.
+    assert "modeldeployment.kvfleet.io/tiny" in out
+    for name in tenants:
+        assert any(
+            line.startswith(f"tenant.kvfleet.io/{name} ") and "True" in line for line in out.splitlines()
+        )
     assert not STATE_FILE.exists()
     assert _leftovers(before) == []
 
