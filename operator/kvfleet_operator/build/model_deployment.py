@@ -212,12 +212,6 @@ def api_key_secret_ref(tenant: Tenant) -> tuple[str, str]:
     return ref.name, ref.key or API_KEY_DATA_KEY
 
 
-@dataclass(frozen=True)
-class DesiredState:
-    children: list[Obj]
-    table: TenantTable
-
-
 def build_desired_children(
     md: ModelDeployment,
     capacity: PoolCapacity,
@@ -226,7 +220,7 @@ def build_desired_children(
     keys: KeyFile,
     images: OperatorImages,
     monitoring: bool = False,
-) -> DesiredState:
+) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, and dedicated pools.
 
     ``monitoring``: the cluster serves monitoring.coreos.com/v1, so add a ServiceMonitor and PodMonitor.
@@ -261,4 +255,4 @@ def build_desired_children(
             build_gateway_service_monitor(gateway),
             build_engine_pod_monitor(namespace, name, owner_of(md)),
         ]
-    return DesiredState(children=children, table=table)
+    return children

@@ -81,7 +81,6 @@ class ReconcileResult:
     applied: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     problem: Condition | None = None
-    rejected_tenants: list[str] = field(default_factory=list)
 
 
 def _refers_to(raw_tenant: Obj, model_deployment: str) -> bool:
@@ -281,7 +280,6 @@ async def _reconcile(
         capacity = None
         result.problem = _problem(st.CAPACITY_UNKNOWN, str(exc))
     decisions: list[TenantDecision] = admit_tenants(capacity, tenants) if capacity else []
-    result.rejected_tenants = [d.name for d in decisions if not d.admitted]
     # Only admitted tenants get a generated key Secret: a rejected tenant leaves nothing behind.
     admitted_names = {d.name for d in decisions if d.admitted}
     for tenant in to_generate:
@@ -308,7 +306,7 @@ async def _reconcile(
         desired = build_desired_children(
             md, capacity, tenants, decisions, keys, config.images, config.monitoring
         )
-        for action in compute_plan(desired.children, existing):
+        for action in compute_plan(desired, existing):
             if action.verb == "apply" and action.obj is not None:
                 await client.apply(action.kind, action.obj)
                 result.applied.append(action.describe())
