@@ -402,6 +402,20 @@ async def test_hot_reload_adds_tenants_keeps_in_flight_and_survives_a_bad_table(
         await env.chat("acme")
 
 
+async def test_a_removed_tenant_finishes_its_request_and_then_leaves_no_gate_behind(tmp_path: Path) -> None:
+    async with gateway_env(tmp_path, [ACME, TenantSpec("other")], engine_kwargs={"delay_s": 0.5}) as env:
+        in_flight = asyncio.create_task(env.chat("acme"))
+        await _until(lambda: env.gateway.gates["acme"].in_flight == 1)
+        table = build_table([TenantSpec("other")], {"shared": [env.engines[0].url]})
+        env.config.write_text(json.dumps(table.model_dump(mode="json")))
+        await _until(lambda: "acme" not in (env.gateway.snapshot.tenants if env.gateway.snapshot else {}))
+        assert "acme" in env.gateway.gates  # still in flight: its gate stays until the answer is back
+        assert (await in_flight)[0] == 200
+        assert "acme" not in env.gateway.gates
+        await env.chat("acme", status=401)  # and its key no longer works
+        assert set(env.gateway.gates) == {"other"}
+
+
 async def test_reload_follows_a_configmap_style_symlink_swap(tmp_path: Path) -> None:
     """Kubernetes updates a mounted ConfigMap by re-pointing ``..data`` at a new timestamped folder."""
     mount = tmp_path / "mount"

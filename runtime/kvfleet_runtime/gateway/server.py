@@ -139,7 +139,8 @@ class Gateway:
                 gate.update_limits(limits)
         for name in set(self.gates) - set(snapshot.tenants):
             # A removed tenant's gate goes once nothing of it is in flight; its keys are already gone.
-            if self.gates[name].in_flight == 0:
+            # (_forget_gate_if_removed drops the others when their last request finishes).
+            if self.gates[name].in_flight == 0 and self.gates[name].queued == 0:
                 del self.gates[name]
         self.routers = routers
         self.snapshot = snapshot
@@ -372,6 +373,7 @@ class Gateway:
         except Throttled as exc:
             self.metrics.throttled.labels(tenant.name, tenant.tier, exc.reason).inc()
             series.outcomes["throttled"].inc()
+            self._forget_gate_if_removed(tenant.name, gate)
             return error_response(
                 429,
                 exc.message,
@@ -402,6 +404,14 @@ class Gateway:
             kv_gauge.set(gate.kv_in_flight)
             series.outcomes[outcome].inc()
             series.duration.observe(time.perf_counter() - arrived)
+            self._forget_gate_if_removed(tenant.name, gate)
+
+    def _forget_gate_if_removed(self, name: str, gate: TenantGate) -> None:
+        """Drop the gate of a tenant a reload removed once its last in-flight request has finished."""
+        snapshot = self.snapshot
+        removed = snapshot is not None and name not in snapshot.tenants
+        if removed and gate.in_flight == 0 and gate.queued == 0 and self.gates.get(name) is gate:
+            del self.gates[name]
 
     async def _connect(
         self,
