@@ -51,7 +51,7 @@ MARKERS = (
     "kvfleet-cluster-",  # etcd, kube-*, kwok (their work folder)
     "kvfleet-prometheus-",
     "vllm.entrypoints.openai",
-    "lmcache.cli.main",
+    "kvfleet_runtime.engine.lmcache_server",
     "kvfleet_runtime engine",
     "kvfleet_runtime gateway",
     "kvfleet_runtime operator",

@@ -90,7 +90,7 @@ def test_max_model_len_fits_the_block_override() -> None:
 def test_lmcache_args_cpu_lru_and_nvme_isolated_lru() -> None:
     s = LMCacheSettings(port=5555, http_port=8080, cpu_size_gb=0.25, nvme_dir="/nvme")
     args = build_lmcache_args(s, python="py")
-    assert args[:4] == ["py", "-m", "lmcache.cli.main", "server"]
+    assert args[:4] == ["py", "-m", "kvfleet_runtime.engine.lmcache_server", "server"]
     assert _flag(args, "--eviction-policy") == "LRU"  # L1 cannot run IsolatedLRU
     assert _flag(args, "--l1-size-gb") == "0.25"
     assert _flag(args, "--http-port") == "8080"

@@ -180,6 +180,20 @@ def test_expire_removes_everything_idle_past_ttl_and_nothing_else() -> None:
     assert set(policy.entry_keys()) == {"a-new", "b-old", "a-pinned"}
 
 
+def test_trim_to_burst_takes_only_the_offenders_own_oldest_entries() -> None:
+    policy = TierPolicy(KVTier.CPU, 100, {"a": limits(10, 30, ttl=50.0), "b": limits(10, 30)})
+    for i in range(5):
+        policy.insert(("a", i), "a", now=float(i), size=10)  # 50 bytes: 20 above a's burst of 30
+    policy.insert(("b", 0), "b", now=0.0, size=10)  # b is older but within its burst
+    policy.insert("a-pinned", "a", now=0.0, size=5, pinned=True)
+    victims = policy.trim_to_burst(now=52.0)
+    assert [v.key for v in victims] == [("a", 0), ("a", 1), ("a", 2)]
+    # The first two were also idle past a's TTL (50 s): they are counted as expiries.
+    assert [v.reason for v in victims] == [EvictionReason.TTL, EvictionReason.TTL, EvictionReason.OVER_QUOTA]
+    assert policy.usage("a").size == 25 and policy.usage("b").size == 10
+    assert policy.trim_to_burst(now=53.0) == []  # idempotent once everyone is within burst
+
+
 def test_remove_drop_tenant_and_clear_keep_accounting_exact() -> None:
     policy = TierPolicy(KVTier.HBM, 100)
     for i in range(5):

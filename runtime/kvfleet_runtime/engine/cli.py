@@ -86,7 +86,7 @@ def register(subparsers: Any) -> None:
         help="Port of the engine plugin's per-tenant KV metrics (default: the pool's plugin_metrics_port).",
     )
     launch.add_argument(
-        "--no-plugin", action="store_true", help="Run vLLM's stock block pool (for comparisons)."
+        "--no-plugin", action="store_true", help="Run vLLM's stock block pool and LMCache's stock L1 LRU (for comparisons)."
     )
     launch.add_argument(
         "--state-dir", type=Path, default=None, help="Logs and vLLM caches (default: a temp dir)."
@@ -173,18 +173,16 @@ def _launch(args: argparse.Namespace) -> int:
         model_max_len=launcher.read_model_max_len(args.model),
     )
     extra = [a for a in args.vllm_args if a != "--"]
+    plugin_env = (
+        {}
+        if args.no_plugin
+        else launcher.build_plugin_env(args.config, args.keys, pool, args.plugin_metrics_port)
+    )
     vllm = replace(
         vllm,
         extra_args=vllm.extra_args + tuple(extra),
         cpu_kv_cache_gib=args.cpu_kv_gib if args.cpu_kv_gib is not None else vllm.cpu_kv_cache_gib,
-        extra_env={
-            **vllm.extra_env,
-            **(
-                {}
-                if args.no_plugin
-                else launcher.build_plugin_env(args.config, args.keys, pool, args.plugin_metrics_port)
-            ),
-        },
+        extra_env={**vllm.extra_env, **plugin_env},
     )
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="kvfleet-engine-"))
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -192,7 +190,11 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         if lmc is not None:
             proc = launcher.EngineProcess(
-                "lmcache", launcher.build_lmcache_args(lmc), os.environ, state_dir / "lmcache.log"
+                # The same tenant environment turns on LMCache's per-tenant L1 governance.
+                "lmcache",
+                launcher.build_lmcache_args(lmc),
+                {**os.environ, **plugin_env},
+                state_dir / "lmcache.log",
             )
             procs.append(proc)
             proc.wait_ready(f"http://{lmc.host}:{lmc.http_port}/healthcheck", args.startup_timeout)

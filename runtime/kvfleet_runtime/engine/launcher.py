@@ -170,9 +170,15 @@ def build_vllm_env(s: VllmSettings, base: Mapping[str, str], state_dir: Path | N
     return env
 
 
+#: The module that runs ``lmcache server`` with kvfleet's per-tenant L1 governance.
+LMCACHE_SERVER_MODULE = "kvfleet_runtime.engine.lmcache_server"
+
+
 def build_lmcache_args(s: LMCacheSettings, python: str = sys.executable) -> list[str]:
-    """argv for ``lmcache server`` (run as ``python -m lmcache.cli.main`` so the venv's python is used)."""
-    args = [python, "-m", "lmcache.cli.main", "server"]
+    """argv for ``lmcache server`` through kvfleet's wrapper (``engine/lmcache_server.py``), run by the
+    venv's python. With the plugin environment (``build_plugin_env``) the wrapper governs L1 per tenant;
+    without it the server is stock LMCache."""
+    args = [python, "-m", LMCACHE_SERVER_MODULE, "server"]
     args += ["--host", s.host, "--port", str(s.port)]
     args += ["--http-host", s.host, "--http-port", str(s.http_port)]
     args += ["--chunk-size", str(s.chunk_size)]

@@ -35,6 +35,7 @@ __all__ = [
     "ENV_TENANT_TABLE",
     "PluginSettings",
     "TenantSource",
+    "file_stamp",
     "load_plugin_settings",
 ]
 
@@ -96,7 +97,7 @@ def load_plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
     )
 
 
-def _stamp(path: Path) -> tuple[int, int]:
+def file_stamp(path: Path) -> tuple[int, int]:
     st = os.stat(path)  # follows the symlinks Kubernetes swaps on ConfigMap/Secret updates
     return (st.st_mtime_ns, st.st_size)
 
@@ -120,7 +121,7 @@ class TenantSource:
 
     def load(self) -> Attribution:
         """First load; raises (``OSError``, ``ValueError``) so a misconfigured engine fails at start-up."""
-        stamps = (_stamp(self.settings.tenant_table), _stamp(self.settings.key_file))
+        stamps = (file_stamp(self.settings.tenant_table), file_stamp(self.settings.key_file))
         attribution = self._read()
         self._stamps = stamps
         return attribution
@@ -131,7 +132,7 @@ class TenantSource:
             return None
         self._next_check = now + self.check_interval
         try:
-            stamps = (_stamp(self.settings.tenant_table), _stamp(self.settings.key_file))
+            stamps = (file_stamp(self.settings.tenant_table), file_stamp(self.settings.key_file))
         except OSError as exc:
             logger.warning("kvfleet: cannot stat the tenant table or key file: %s", exc)
             return None

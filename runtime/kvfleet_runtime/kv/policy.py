@@ -392,6 +392,24 @@ class TierPolicy:
         self.insert(key, tenant, now, size, pinned)
         return Admission(True, victims)
 
+    def trim_to_burst(self, now: float) -> list[Victim]:
+        """Evict each tenant's own least recently used unpinned entries while it holds more than its burst.
+
+        For hosts that store without asking the policy first (LMCache's L1 allocates on its own, then
+        reports the write): the burst cap is enforced after the fact, on the offending tenant only.
+        """
+        selection = _Selection(self, now)
+        victims: list[Victim] = []
+        for state in list(self._tenants.values()):
+            while state.size > state.limits.burst and state.lru:
+                head = next(iter(state.lru.values()))
+                expired = now - head.last_use > state.limits.ttl_seconds
+                reason = EvictionReason.TTL if expired else EvictionReason.OVER_QUOTA
+                victim = selection.evict_head(state, reason)
+                if victim is not None:
+                    victims.append(victim)
+        return victims
+
     def expire(self, now: float) -> list[Victim]:
         """Evict every unpinned entry idle past its tenant's TTL (for proactive, TTL-driven expiry)."""
         return _Selection(self, now).drain_expired()

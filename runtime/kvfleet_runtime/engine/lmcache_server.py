@@ -1,0 +1,233 @@
+"""LMCache's server with kvfleet's per-tenant L1 governance (the thin shell over ``l1_governance``).
+
+``python -m kvfleet_runtime.engine.lmcache_server server --host ... --l1-size-gb ...`` takes exactly
+``lmcache server``'s arguments. With the engine plugin's environment set (``KVFLEET_TENANT_TABLE``,
+``KVFLEET_KEY_FILE``, ``KVFLEET_POOL``; see ``plugin_config``) it first replaces LMCache's
+``L1EvictionController`` with :class:`GovernedL1EvictionController`, which keeps LMCache's L1 (the CPU
+tier) within each cache salt's quota, burst cap and TTL from the tenant table (re-read when the mounted
+files change) and exports per-salt series on LMCache's own Prometheus endpoint:
+
+* ``kvfleet_lmcache_l1_bytes{cache_salt}``: bytes of each salt resident in L1 (exact);
+* ``kvfleet_lmcache_l1_quota_bytes{cache_salt}``, ``kvfleet_lmcache_l1_burst_bytes{cache_salt}``;
+* ``kvfleet_lmcache_l1_evictions_total{cache_salt,reason}``: evictions by kvfleet (``ttl``,
+  ``over_quota``, ``lru``);
+* ``kvfleet_lmcache_l1_tenant_table_reloads_total{result}``.
+
+``lmcache_sync`` maps salts to tenants. Without that environment this is stock ``lmcache server``.
+Supports exactly LMCache 0.5.6 (the L1 listener and controller interfaces are internal) and refuses to
+start on another version rather than run ungoverned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import lmcache
+from lmcache.cli.main import main as lmcache_main
+from lmcache.v1.distributed import storage_manager
+from lmcache.v1.distributed.error import L1Error
+from lmcache.v1.distributed.eviction import EvictionPolicy, L1EvictionPolicy
+from lmcache.v1.distributed.storage_controllers.eviction_controller import EvictionController
+from lmcache.v1.mp_observability.event_bus import get_event_bus
+from prometheus_client import Counter, Gauge
+
+from kvfleet_runtime.config import KeyFile, TenantTable
+from kvfleet_runtime.engine.l1_governance import L1Governor, L1Limits, compute_l1_limits
+from kvfleet_runtime.engine.plugin_config import PluginSettings, file_stamp, load_plugin_settings
+from kvfleet_runtime.kv.policy import EvictionReason
+
+SUPPORTED_LMCACHE_VERSION = "0.5.6"
+log = logging.getLogger("kvfleet.lmcache_l1")
+
+
+def check_lmcache_version(version: str) -> None:
+    if version != SUPPORTED_LMCACHE_VERSION:
+        raise RuntimeError(
+            f"kvfleet's L1 governance supports LMCache {SUPPORTED_LMCACHE_VERSION} only, found {version}; "
+            f"install lmcache=={SUPPORTED_LMCACHE_VERSION} (hack/install-engine.sh) or run without "
+            "KVFLEET_TENANT_TABLE/KVFLEET_KEY_FILE/KVFLEET_POOL"
+        )
+
+
+class L1Metrics:
+    """The per-salt series (default registry: LMCache's ``--prometheus-port`` serves it)."""
+
+    def __init__(self) -> None:
+        self.bytes = Gauge("kvfleet_lmcache_l1_bytes", "Bytes of a salt resident in L1.", ["cache_salt"])
+        self.quota = Gauge("kvfleet_lmcache_l1_quota_bytes", "A salt's L1 quota.", ["cache_salt"])
+        self.burst = Gauge("kvfleet_lmcache_l1_burst_bytes", "A salt's L1 burst cap.", ["cache_salt"])
+        self.evictions = Counter(
+            "kvfleet_lmcache_l1_evictions",
+            "L1 objects evicted by kvfleet's policy, by salt and reason.",
+            ["cache_salt", "reason"],
+        )
+        self.reloads = Counter(
+            "kvfleet_lmcache_l1_tenant_table_reloads", "Tenant table reloads by result.", ["result"]
+        )
+        self._reported: dict[tuple[str, EvictionReason], int] = {}
+        self._salts: set[str] = set()
+
+    def publish(self, governor: L1Governor) -> None:
+        usage = governor.usage()
+        for salt in self._salts - set(usage):
+            for gauge in (self.bytes, self.quota, self.burst):
+                gauge.remove(salt)
+        self._salts = set(usage)
+        for salt, u in usage.items():
+            self.bytes.labels(salt).set(u.resident_bytes)
+            self.quota.labels(salt).set(u.limits.quota)
+            self.burst.labels(salt).set(u.limits.burst)
+            for reason, count in u.evictions.items():
+                before = self._reported.get((salt, reason), 0)
+                if count > before:
+                    self.evictions.labels(salt, reason.value).inc(count - before)
+                self._reported[(salt, reason)] = max(before, count)
+
+
+class TableFiles:
+    """The tenant table and key file, re-read when either changes (``None`` when unchanged or invalid)."""
+
+    def __init__(self, settings: PluginSettings, capacity_bytes: int) -> None:
+        self.settings = settings
+        self.capacity_bytes = capacity_bytes
+        self._stamps: tuple[tuple[int, int], tuple[int, int]] | None = None
+
+    def _stamps_now(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (file_stamp(self.settings.tenant_table), file_stamp(self.settings.key_file))
+
+    def load(self) -> L1Limits:
+        """First load: raises so a misconfigured LMCache fails at start-up."""
+        stamps = self._stamps_now()
+        limits = self._read()
+        self._stamps = stamps
+        return limits
+
+    def poll(self) -> L1Limits | None:
+        stamps = self._stamps_now()
+        if stamps == self._stamps:
+            return None
+        self._stamps = stamps
+        return self._read()
+
+    def _read(self) -> L1Limits:
+        table = TenantTable.load(self.settings.tenant_table)
+        keys = KeyFile.load(self.settings.key_file)
+        return compute_l1_limits(table, keys, self.settings.pool, self.capacity_bytes)
+
+
+class GovernedL1Policy(EvictionPolicy):  # type: ignore[misc]
+    """LMCache's eviction-policy interface, forwarding L1 events to the governor."""
+
+    def __init__(self, governor: L1Governor, l1_manager: Any) -> None:
+        self.governor = governor
+        self._l1 = l1_manager
+
+    def _size(self, key: Any) -> int:
+        # Called from L1Manager's listener hooks, which run under its (non-reentrant) lock: read the
+        # object table directly instead of through the locked accessor.
+        state = self._l1._objects.get(key)
+        return int(state.memory_obj.get_size()) if state is not None else 0
+
+    def register_eviction_destination(self, destination: Any) -> None:
+        pass
+
+    def on_keys_reserved(self, keys: list[Any]) -> None:
+        pass  # tracked once the write finishes (on_keys_created)
+
+    def on_keys_created(self, keys: list[Any]) -> None:
+        self.governor.on_stored([(k, k.cache_salt, self._size(k)) for k in keys])
+
+    def on_keys_touched(self, keys: list[Any]) -> None:
+        self.governor.on_used(keys)
+
+    def on_keys_removed(self, keys: list[Any]) -> None:
+        self.governor.on_removed(keys)
+
+    def get_eviction_actions(
+        self, expected_ratio: float, key_eligible_filter: Any = None, cache_salt: str | None = None
+    ) -> list[Any]:
+        return []  # the governed controller selects victims itself
+
+
+class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
+    """LMCache's L1 eviction loop, with victims chosen per salt by the governor (see ``install``)."""
+
+    settings: PluginSettings
+    metrics: L1Metrics
+    interval_s = 1.0
+
+    def __init__(self, l1_manager: Any, eviction_config: Any) -> None:
+        super().__init__()
+        self._l1_manager = l1_manager
+        self._eviction_config = eviction_config
+        _, total = l1_manager.get_memory_usage()
+        self._files = TableFiles(self.settings, total)
+        self.governor = L1Governor(total, self._files.load())
+        self._eviction_policy = GovernedL1Policy(self.governor, l1_manager)
+        self._listener = L1EvictionPolicy(self._eviction_policy)
+        l1_manager.register_listener(self._listener)
+        self._event_bus = get_event_bus()
+        log.info(
+            "kvfleet L1 governance on: %d salts from pool %r, L1 %d bytes",
+            len(self.governor.limits.per_salt),
+            self.settings.pool,
+            total,
+        )
+
+    def report_status(self) -> dict[str, Any]:
+        alive = self._thread.is_alive()
+        return {"is_healthy": alive, "thread_alive": alive, "eviction_policy": "kvfleet"}
+
+    def eviction_loop(self) -> None:
+        while not self._stop_flag.wait(self.interval_s):
+            try:
+                self.run_cycle()
+            except Exception:  # the loop must outlive one bad cycle; LMCache keeps serving
+                log.exception("kvfleet L1 eviction cycle failed")
+
+    def run_cycle(self) -> None:
+        try:
+            reloaded = self._files.poll()
+        except (OSError, ValueError) as exc:
+            self.metrics.reloads.labels("error").inc()
+            log.warning("tenant table reload failed, keeping the previous limits: %s", exc)
+            reloaded = None
+        if reloaded is not None:
+            self.governor.set_limits(reloaded)
+            self.metrics.reloads.labels("ok").inc()
+        used, total = self._l1_manager.get_memory_usage()
+        config = self._eviction_config
+        victims = self.governor.select(used, total, config.trigger_watermark, config.eviction_ratio)
+        if victims:
+            result = self._l1_manager.delete([v.key for v in victims])
+            refused = [v for v in victims if result.get(v.key) == L1Error.KEY_IS_LOCKED]
+            self.governor.restore(refused)
+        self.metrics.publish(self.governor)
+
+    def execute_eviction_action(self, action: Any) -> None:
+        self._l1_manager.delete(action.keys)
+
+
+def install(settings: PluginSettings) -> None:
+    """Swap LMCache's L1 eviction controller for the governed one (before the server is built)."""
+    check_lmcache_version(lmcache.__version__)
+    GovernedL1EvictionController.settings = settings
+    GovernedL1EvictionController.metrics = L1Metrics()
+    storage_manager.L1EvictionController = GovernedL1EvictionController
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    settings = load_plugin_settings(os.environ)
+    if settings is not None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        install(settings)
+    lmcache_main(tokens)
+
+
+if __name__ == "__main__":
+    main()
