@@ -9,8 +9,10 @@ Fixtures:
 
 * ``tiny_model`` (session) -> ``Path``: the tiny Llama (built on first use if the engine is installed).
 * ``lmcache_factory`` (session) -> ``start(*, cpu_size_gb=0.25, nvme=True, chunk_size=256,
-  l2_eviction_ratio=0.2, extra_args=()) -> LMCacheServer``: one ``lmcache server`` per call (L1 CPU
-  with LRU, optional ``fs`` L2 "NVMe" tier with ``IsolatedLRU`` per-salt quotas). Servers are stopped at
+  l2_eviction_ratio=0.2, extra_args=(), extra_env=None) -> LMCacheServer``: one ``lmcache server`` per
+  call, through kvfleet's wrapper (L1 CPU with LMCache's LRU, or governed per tenant when ``extra_env``
+  holds ``build_plugin_env``'s variables; optional ``fs`` L2 "NVMe" tier with ``IsolatedLRU`` per-salt
+  quotas). Servers are stopped at
   session end, or earlier with ``server.stop()``; the ``/dev/shm`` files LMCache leaves behind are
   removed.
 * ``vllm_factory`` (session) -> ``start(*, num_gpu_blocks_override=None, max_model_len=None,
@@ -176,6 +178,7 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
         chunk_size: int = 256,
         l2_eviction_ratio: float = 0.2,
         extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> LMCacheServer:
         n = len(started)
         work = engine_state_dir / f"lmcache-{n}"
@@ -192,7 +195,7 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
             l2_eviction_ratio=l2_eviction_ratio,
             extra_args=tuple(extra_args),
         )
-        env = {**os.environ, "TMPDIR": str(work), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TMPDIR": str(work), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         proc = EngineProcess(f"lmcache-{n}", build_lmcache_args(settings, sys.executable), env, work / "log")
         http_url = f"http://127.0.0.1:{settings.http_port}"
         startup = proc.wait_ready(http_url + "/healthcheck", ENGINE_TIMEOUT)

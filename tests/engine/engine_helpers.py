@@ -62,7 +62,13 @@ def make_prompt(seed: int, n_words: int = 700) -> str:
 
 
 def tenant(
-    name: str, *, isolation: Isolation = Isolation.SALTED, nvme_bytes: int = 0, nvme_ttl: float = 86_400.0
+    name: str,
+    *,
+    isolation: Isolation = Isolation.SALTED,
+    nvme_bytes: int = 0,
+    nvme_ttl: float = 86_400.0,
+    cpu_bytes: int = 1 << 20,
+    cpu_ttl: float = 600.0,
 ) -> TenantEntry:
     return TenantEntry(
         name=name,
@@ -72,8 +78,8 @@ def tenant(
         salt_id="pool" if isolation is Isolation.SHARED else f"salt-{name}",
         pool="shared",
         models=["tiny"],
-        quota=KVQuota(hbm_blocks=8, hbm_burst_blocks=32, cpu_bytes=1 << 20, nvme_bytes=nvme_bytes),
-        ttl=TierTTLs(nvme_seconds=nvme_ttl),
+        quota=KVQuota(hbm_blocks=8, hbm_burst_blocks=32, cpu_bytes=cpu_bytes, nvme_bytes=nvme_bytes),
+        ttl=TierTTLs(cpu_seconds=cpu_ttl, nvme_seconds=nvme_ttl),
     )
 
 
