@@ -8,6 +8,7 @@ can only come from L1. L1 is 8 MiB = 64 chunks of 128 KiB.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_fixtures import LMCacheServer, VllmServer
 from kvfleet_runtime.config import derive_cache_salt, dump_json
 from kvfleet_runtime.engine.launcher import build_plugin_env
+from kvfleet_runtime.engine.lmcache_sync import (
+    EndpointState,
+    LMCacheClient,
+    SyncPlan,
+    apply_lmcache_sync,
+    compute_salt_quotas,
+)
 
 L1_BYTES = 64 * LMCACHE_CHUNK_BYTES
 BURST = L1_BYTES // 2  # the pool's default burst cap
@@ -35,6 +43,7 @@ def salt_of(name: str) -> str:
 class Stack:
     lmcache: LMCacheServer
     vllm: VllmServer
+    table_dir: Path
 
     def cached(self, prompt: str, tenant_name: str) -> float:
         usage = self.vllm.complete(prompt, cache_salt=salt_of(tenant_name))["usage"]
@@ -50,13 +59,14 @@ class Stack:
         return total
 
 
-def write_table(folder: Path) -> dict[str, str]:
+def write_table(folder: Path, *, without: str | None = None) -> dict[str, str]:
     tenants = (
         tenant("victim", cpu_bytes=12 * LMCACHE_CHUNK_BYTES),
         tenant("flood", cpu_bytes=2 * LMCACHE_CHUNK_BYTES),
         tenant("brief", cpu_bytes=12 * LMCACHE_CHUNK_BYTES, cpu_ttl=2.0),
+        tenant("leaver", cpu_bytes=12 * LMCACHE_CHUNK_BYTES),
     )
-    tbl = table(*tenants)
+    tbl = table(*(t for t in tenants if t.name != without))
     config, key_file = folder / "tenants.json", folder / "keys.json"
     config.write_text(dump_json(tbl))
     key_file.write_text(dump_json(keys(*tbl.tenants)))
@@ -69,13 +79,14 @@ def stacks(
     vllm_factory: Callable[..., VllmServer],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Stack]]:
-    env = write_table(tmp_path_factory.mktemp("l1-table"))
+    folder = tmp_path_factory.mktemp("l1-table")
+    env = write_table(folder)
     gb = L1_BYTES / (1 << 30)
     stock = lmcache_factory(cpu_size_gb=gb, nvme=False)
     governed = lmcache_factory(cpu_size_gb=gb, nvme=False, extra_env=env)
     out = {
-        "stock": Stack(stock, vllm_factory(num_gpu_blocks_override=64, lmcache=stock)),
-        "kvfleet": Stack(governed, vllm_factory(num_gpu_blocks_override=64, lmcache=governed)),
+        "stock": Stack(stock, vllm_factory(num_gpu_blocks_override=64, lmcache=stock), folder),
+        "kvfleet": Stack(governed, vllm_factory(num_gpu_blocks_override=64, lmcache=governed), folder),
     }
     yield out
     for s in out.values():
@@ -138,3 +149,35 @@ def test_chunks_idle_past_the_tenants_cpu_ttl_leave_l1(stacks: dict[str, Stack])
     for _ in range(2):  # push it out of vLLM too: nothing is left to hit
         governed.cached(make_prompt(next(_seeds)), "victim")
     assert governed.cached(prompt, "brief") == 0.0
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_a_removed_tenant_leaves_l1_while_the_others_keep_theirs(stacks: dict[str, Stack]) -> None:
+    governed = stacks["kvfleet"]
+    leaver, victim = salt_of("leaver"), salt_of("victim")
+    governed.cached(make_prompt(next(_seeds)), "leaver")
+    governed.cached(make_prompt(next(_seeds)), "victim")
+    assert wait_for(lambda: governed.l1("kvfleet_lmcache_l1_bytes", cache_salt=leaver) > 0)
+    kept = governed.l1("kvfleet_lmcache_l1_bytes", cache_salt=victim)
+    assert kept >= 5 * LMCACHE_CHUNK_BYTES
+    write_table(governed.table_dir, without="leaver")  # the operator re-renders the table
+    assert wait_for(lambda: governed.l1("kvfleet_lmcache_l1_bytes", cache_salt=leaver) == 0)
+    # The quota sync sees a governed L1 and leaves it alone (a stock L1 would be cleared for everyone).
+    tbl = table(*(tenant(n) for n in ("victim", "flood", "brief")))
+
+    async def sync() -> SyncPlan:
+        state = EndpointState(client=LMCacheClient(governed.lmcache.http_url), known_salts={leaver})
+        try:
+            return await apply_lmcache_sync(state, compute_salt_quotas(tbl, keys(*tbl.tenants), "shared"))
+        finally:
+            await state.client.close()
+
+    assert asyncio.run(sync()).clear_l1  # the plan asks for it; the governed server makes it unnecessary
+    time.sleep(1.5)
+    assert governed.l1("kvfleet_lmcache_l1_bytes", cache_salt=victim) == kept

@@ -169,3 +169,21 @@ def test_objects_lmcache_removes_itself_leave_the_accounting() -> None:
     assert gov.tracked_bytes == 17
     gov.on_removed(["k0", "missing"])
     assert gov.tracked_bytes == 7 and gov.usage()["s"].resident_bytes == 7
+
+
+def test_a_salt_removed_from_the_table_hands_out_all_its_objects_until_none_is_left() -> None:
+    keep = TenantLimits(quota=40, burst=50, ttl_seconds=1000.0)
+    gov, _ = governor(100, a=keep, b=keep)
+    gov.on_stored([("a0", "a", 10), ("a1", "a", 10), ("b0", "b", 10)])
+    assert gov.take_removed() == []
+    gov.set_limits(L1Limits(per_salt={"b": keep}, tenants_of={"b": ("b",)}, default=keep))
+    gone = gov.take_removed()
+    assert sorted(gone, key=str) == [("a0", "a", 10), ("a1", "a", 10)]
+    assert gov.tracked_bytes == 10  # b keeps its object
+    gov.on_stored([g for g in gone if g[0] == "a1"])  # LMCache refused one (read-locked)
+    assert gov.take_removed() == [("a1", "a", 10)]  # taken again next cycle
+    assert gov.take_removed() == []
+    # The salt coming back (tenant re-created) stops the removal.
+    gov.on_stored([("a2", "a", 10)])
+    gov.set_limits(L1Limits(per_salt={"a": keep, "b": keep}, tenants_of={}, default=keep))
+    assert gov.take_removed() == []

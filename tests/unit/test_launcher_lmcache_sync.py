@@ -162,6 +162,17 @@ def test_l1_estimate_splits_memory_by_resident_chunks() -> None:
     assert compute_l1_bytes_by_salt(m, {"a": 6.0, "b": 4.0}) == {"a": 0, "b": 0}
 
 
+def test_a_governed_l1_reports_exact_bytes_per_salt_which_win_over_the_estimate() -> None:
+    governed = METRICS + (
+        'kvfleet_lmcache_l1_bytes{cache_salt="a"} 655360.0\n'
+        'kvfleet_lmcache_l1_bytes{cache_salt="b"} 0.0\n'
+        'kvfleet_lmcache_l1_evictions_total{cache_salt="a",reason="ttl"} 3.0\n'
+    )
+    m = parse_lmcache_metrics(governed)
+    assert m["kvfleet_lmcache_l1_evictions_total"] == {"a": 3.0}
+    assert compute_l1_bytes_by_salt(m, {}) == {"a": 655_360, "b": 0}
+
+
 def test_tenant_usage_of_a_shared_salt_adds_up() -> None:
     q = compute_salt_quotas(
         _table(

@@ -86,7 +86,9 @@ def register(subparsers: Any) -> None:
         help="Port of the engine plugin's per-tenant KV metrics (default: the pool's plugin_metrics_port).",
     )
     launch.add_argument(
-        "--no-plugin", action="store_true", help="Run vLLM's stock block pool and LMCache's stock L1 LRU (for comparisons)."
+        "--no-plugin",
+        action="store_true",
+        help="Run vLLM's stock block pool and LMCache's stock L1 LRU (for comparisons).",
     )
     launch.add_argument(
         "--state-dir", type=Path, default=None, help="Logs and vLLM caches (default: a temp dir)."

@@ -13,6 +13,9 @@ pool's ``burst_cap`` of the L1 size, never below the quota; TTL = ``ttl.cpu_seco
 in the table (for example the empty salt of a request sent to an engine directly) gets quota 0, so it is
 the first to go under pressure.
 
+A salt that leaves the table (tenant deleted) has all its L1 objects deleted in the next cycle
+(:meth:`L1Governor.take_removed`); other salts keep theirs.
+
 One cycle (:meth:`L1Governor.select`, once a second, like LMCache's own loop) picks victims in this order:
 
 1. ``ttl``: entries idle past their salt's CPU TTL (:meth:`TierPolicy.expire`), whether or not L1 is full;
@@ -102,15 +105,20 @@ class L1Governor:
         self._clock = clock
         self._limits = limits
         self._policy = TierPolicy(KVTier.CPU, capacity_bytes, dict(limits.per_salt), limits.default)
+        #: Salts a reload removed from the table whose objects are still to be deleted.
+        self._removed: set[str] = set()
 
     @property
     def limits(self) -> L1Limits:
         return self._limits
 
     def set_limits(self, limits: L1Limits) -> None:
-        """Apply a reloaded tenant table at once (a removed salt falls back to the default limits)."""
+        """Apply a reloaded tenant table at once. A salt that left the table falls back to the default
+        limits, and its objects are handed out by :meth:`take_removed` to be deleted."""
         with self._lock:
-            for salt in set(self._limits.per_salt) - set(limits.per_salt):
+            gone = set(self._limits.per_salt) - set(limits.per_salt)
+            self._removed = (self._removed | gone) - set(limits.per_salt)
+            for salt in gone:
                 self._policy.set_limits(salt, None)
             self._policy.default_limits = limits.default
             for salt, salt_limits in limits.per_salt.items():
@@ -159,6 +167,22 @@ class L1Governor:
                     to_free = int(used_after - target)
                     victims += self._policy.make_room(self._policy.free + to_free, now)
             return victims
+
+    def take_removed(self) -> list[tuple[Hashable, str, int]]:
+        """``(key, salt, size)`` of every object of a salt that left the table (forgotten by the policy;
+        delete them from LMCache, and hand back with ``on_stored`` the ones it refuses: they are taken
+        again next cycle, until the salt holds nothing)."""
+        with self._lock:
+            out: list[tuple[Hashable, str, int]] = []
+            for salt in sorted(self._removed):
+                keys = self._policy.entry_keys(salt)
+                if not keys:
+                    self._removed.discard(salt)
+                for key in keys:
+                    info = self._policy.get(key)
+                    if info is not None and self._policy.remove(key):
+                        out.append((key, salt, info.size))
+            return out
 
     def restore(self, victims: Iterable[Victim]) -> None:
         """Victims LMCache could not delete (in use): track them again, as just used, and uncount them."""

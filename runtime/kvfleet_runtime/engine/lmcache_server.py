@@ -199,6 +199,11 @@ class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
         if reloaded is not None:
             self.governor.set_limits(reloaded)
             self.metrics.reloads.labels("ok").inc()
+        gone = self.governor.take_removed()
+        if gone:
+            result = self._l1_manager.delete([key for key, _, _ in gone])
+            self.governor.on_stored([g for g in gone if result.get(g[0]) == L1Error.KEY_IS_LOCKED])
+            log.info("deleted %d L1 objects of tenants removed from the table", len(gone))
         used, total = self._l1_manager.get_memory_usage()
         config = self._eviction_config
         victims = self.governor.select(used, total, config.trigger_watermark, config.eviction_ratio)

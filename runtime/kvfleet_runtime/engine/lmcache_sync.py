@@ -7,11 +7,14 @@ What LMCache 0.5.6 (server mode) offers, and so what this module can govern:
   every ~1 s LMCache evicts a salt at or above its quota (a fraction of that salt's own LRU list, at
   least one chunk), so usage stays within quota plus what was written in one cycle. A salt with data but
   no quota is evicted completely (allowlist semantics). Usage per salt is exact (``GET /quota``).
-* **L1 (the CPU tier)**: one shared memory pool with global LRU. LMCache has no per-salt quota, TTL or
-  per-salt delete for it (``IsolatedLRU`` cannot run on L1; ``/cache/objects`` lists L2 only). What is
-  possible: ``POST /cache/clear`` (all unlocked L1 objects), used when a tenant is removed so that its
-  data is gone from every tier; and a per-salt *estimate* of L1 bytes from LMCache's per-salt chunk
-  counters (``lmcache_mp_l1_write_chunks_total - lmcache_mp_l1_evicted_chunks_total``).
+* **L1 (the CPU tier)**: stock LMCache has one shared memory pool with global LRU, and no per-salt
+  quota, TTL or per-salt delete for it (``IsolatedLRU`` cannot run on L1). kvfleet's launcher therefore
+  runs the server through ``engine/lmcache_server.py``, which governs L1 per salt itself (quota, burst
+  cap, CPU TTL, removal; see ``engine/l1_governance.py``) and exports exact per-salt bytes
+  (``kvfleet_lmcache_l1_bytes``). Against a stock server the sync falls back to what LMCache offers:
+  ``POST /cache/clear`` (all unlocked L1 objects) when a tenant is removed, and a per-salt *estimate* of
+  L1 bytes from LMCache's chunk counters (``lmcache_mp_l1_write_chunks_total -
+  lmcache_mp_l1_evicted_chunks_total``).
 
 Decisions:
 
@@ -24,7 +27,7 @@ Decisions:
   chunk. A salt is active when any of LMCache's per-salt counters moves (lookups, L1 writes/reads, L2
   stores) or its L2 usage changes; when it has been idle longer than its NVMe TTL, its quota is set to
   0 so LMCache drops all of its L2 data within a cycle, and the quota comes back on its next activity.
-  CPU-tier TTLs cannot be enforced per tenant on LMCache 0.5.6 (see L1 above); L1 ages out by LRU.
+  CPU-tier TTLs are enforced per chunk by the governed L1 (see above), not by the sync.
 
 Pure core: ``compute_salt_quotas``, ``compute_sync_plan``, ``parse_quota_listing``,
 ``parse_lmcache_metrics``, ``compute_tenant_usage``. Thin shell: ``LMCacheClient`` (aiohttp) and
@@ -53,6 +56,10 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 #: LMCache's URL stand-in for the empty (unsalted) cache salt.
 DEFAULT_SALT_SENTINEL = "_default"
+#: Series of kvfleet's governed L1 (``engine/lmcache_server.py``), labelled by ``cache_salt`` like LMCache's.
+L1_GOVERNANCE_PREFIX = "kvfleet_lmcache_l1_"
+#: Exact bytes per salt in a governed L1; its presence tells the sync the server governs L1 itself.
+L1_GOVERNED_BYTES = "kvfleet_lmcache_l1_bytes"
 #: Per-salt counters that move whenever a salt's KV is looked up, written or read.
 ACTIVITY_COUNTERS = (
     "lmcache_mp_lookup_requested_tokens_total",
@@ -197,7 +204,7 @@ def parse_lmcache_metrics(text: str) -> dict[str, dict[str, float]]:
             continue
         head, _, value = line.rpartition(" ")
         name, brace, labels = head.partition("{")
-        if not name.startswith("lmcache_mp_"):
+        if not name.startswith(("lmcache_mp_", L1_GOVERNANCE_PREFIX)):
             continue
         salt = "*"
         if brace:
@@ -241,11 +248,14 @@ def observe_activity(
 def compute_l1_bytes_by_salt(
     metrics: Mapping[str, Mapping[str, float]], baseline: Mapping[str, float]
 ) -> dict[str, int]:
-    """Estimate each salt's bytes in L1 (CPU): resident chunks x average chunk size.
+    """Each salt's bytes in L1 (CPU): exact from a governed L1 (``kvfleet_lmcache_l1_bytes``); otherwise
+    an estimate, resident chunks x average chunk size.
 
     Resident chunks = writes - evictions - ``baseline`` (what was resident when L1 was last cleared;
     a clear is not counted as eviction). Average chunk size = L1 bytes in use / resident chunks.
     """
+    if L1_GOVERNED_BYTES in metrics:
+        return {salt: round(n) for salt, n in metrics[L1_GOVERNED_BYTES].items() if salt != "*"}
     writes = metrics.get("lmcache_mp_l1_write_chunks_total", {})
     evicted = metrics.get("lmcache_mp_l1_evicted_chunks_total", {})
     resident = {
@@ -398,7 +408,9 @@ async def apply_lmcache_sync(
         await client.put_quota(salt, limit)
     for salt in plan.delete:
         await client.delete_quota(salt)
-    if plan.clear_l1:
+    if plan.clear_l1 and L1_GOVERNED_BYTES not in parsed:
+        # A stock L1 cannot drop one salt: clear it all. A governed L1 drops the removed salt's objects
+        # itself (and only those) on its next cycle.
         await client.clear_l1()
         state.l1_baseline = compute_l1_baseline(parsed)
     for salt in plan.expired_now:
@@ -421,7 +433,8 @@ def _export(
     plan: SyncPlan,
 ) -> None:
     nvme = compute_tenant_usage(desired, {s: q.usage_bytes for s, q in current.items()})
-    l1 = {} if plan.clear_l1 else compute_l1_bytes_by_salt(parsed, state.l1_baseline)
+    cleared = plan.clear_l1 and L1_GOVERNED_BYTES not in parsed
+    l1 = {} if cleared else compute_l1_bytes_by_salt(parsed, state.l1_baseline)
     cpu = compute_tenant_usage(desired, l1)
     # Series of removed tenants must disappear, not freeze at their last value.
     m.tenant_bytes.clear()
