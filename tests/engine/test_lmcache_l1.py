@@ -180,4 +180,5 @@ def test_a_removed_tenant_leaves_l1_while_the_others_keep_theirs(stacks: dict[st
 
     assert asyncio.run(sync()).clear_l1  # the plan asks for it; the governed server makes it unnecessary
     time.sleep(1.5)
-    assert governed.l1("kvfleet_lmcache_l1_bytes", cache_salt=victim) == kept
+    # Not cleared (a clear drops it to 0); it may have grown: vLLM stores chunks asynchronously.
+    assert governed.l1("kvfleet_lmcache_l1_bytes", cache_salt=victim) >= kept
