@@ -224,6 +224,19 @@ def test_examples_create_exactly_the_expected_objects(full_cluster: ControlPlane
     )
 
 
+def _readiness_report(plane: ControlPlane, namespace: str) -> str:
+    lines = [f"bank Ready: {condition(tenant(plane, namespace, 'bank'))}"]
+    for kind in ("apps/v1/namespaces/{ns}/statefulsets", "apps/v1/namespaces/{ns}/deployments"):
+        for obj in get(plane, "/apis/" + kind.format(ns=namespace))["items"]:
+            lines.append(f"{obj['kind']} {obj['metadata']['name']}: {obj.get('status')}")
+    for pod in get(plane, f"/api/v1/namespaces/{namespace}/pods")["items"]:
+        status = pod.get("status") or {}
+        conditions = [(c["type"], c["status"]) for c in status.get("conditions") or []]
+        where = pod["spec"].get("nodeName")
+        lines.append(f"Pod {pod['metadata']['name']} on {where}: {status.get('phase')} {conditions}")
+    return "\n".join(lines)
+
+
 def test_engine_pods_land_on_the_right_gpu_nodes(full_cluster: ControlPlane, examples_ns: str) -> None:
     _converge(full_cluster, examples_ns)
     shared_nodes = {n.name for n in full_cluster.layout.shared_pool}
@@ -249,7 +262,10 @@ def test_engine_pods_land_on_the_right_gpu_nodes(full_cluster: ControlPlane, exa
         _converge(full_cluster, examples_ns)
         return condition(tenant(full_cluster, examples_ns, "bank")).get("status") == "True"
 
-    wait_for(all_ready, timeout=120, interval=2, what="tenant bank Ready")
+    try:
+        wait_for(all_ready, timeout=120, interval=2, what="tenant bank Ready")
+    except AssertionError as exc:  # say why: the condition, the workloads' and the pods' status
+        raise AssertionError(f"{exc}\n{_readiness_report(full_cluster, examples_ns)}") from None
     for name in ("saas", "startup-a", "startup-b"):
         assert condition(tenant(full_cluster, examples_ns, name))["status"] == "True"
     md = get(full_cluster, f"/apis/kvfleet.io/v1alpha1/namespaces/{examples_ns}/modeldeployments/qwen72b")
