@@ -191,8 +191,8 @@ def _launch(args: argparse.Namespace) -> int:
     procs: list[launcher.EngineProcess] = []
     try:
         if lmc is not None:
+            # The same tenant environment turns on LMCache's per-tenant L1 governance.
             proc = launcher.EngineProcess(
-                # The same tenant environment turns on LMCache's per-tenant L1 governance.
                 "lmcache",
                 launcher.build_lmcache_args(lmc),
                 {**os.environ, **plugin_env},

@@ -137,13 +137,11 @@ class Gateway:
                 self.gates[name] = TenantGate(limits)
             else:
                 gate.update_limits(limits)
-        for name in set(self.gates) - set(snapshot.tenants):
-            # A removed tenant's gate goes once nothing of it is in flight; its keys are already gone.
-            # (_forget_gate_if_removed drops the others when their last request finishes).
-            if self.gates[name].in_flight == 0 and self.gates[name].queued == 0:
-                del self.gates[name]
         self.routers = routers
         self.snapshot = snapshot
+        for name in set(self.gates) - set(snapshot.tenants):
+            # Its keys are already gone; a gate with requests still in flight goes when the last ends.
+            self._forget_gate_if_removed(name, self.gates[name])
         self.metrics.reloads.inc()
         self._health_wakeup.set()
         log.info(
