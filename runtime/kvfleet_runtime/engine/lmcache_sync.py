@@ -408,9 +408,10 @@ async def apply_lmcache_sync(
         await client.put_quota(salt, limit)
     for salt in plan.delete:
         await client.delete_quota(salt)
-    if plan.clear_l1 and L1_GOVERNED_BYTES not in parsed:
-        # A stock L1 cannot drop one salt: clear it all. A governed L1 drops the removed salt's objects
-        # itself (and only those) on its next cycle.
+    # A stock L1 cannot drop one salt: clear it all. A governed L1 drops the removed salt's objects itself
+    # (and only those) on its next cycle.
+    clear_l1 = plan.clear_l1 and L1_GOVERNED_BYTES not in parsed
+    if clear_l1:
         await client.clear_l1()
         state.l1_baseline = compute_l1_baseline(parsed)
     for salt in plan.expired_now:
@@ -419,7 +420,7 @@ async def apply_lmcache_sync(
         state.activity.pop(salt, None)
     state.known_salts = set(desired)
     if metrics is not None:
-        _export(metrics, client.base_url, desired, current, parsed, state, plan)
+        _export(metrics, client.base_url, desired, current, parsed, state, plan, cleared_l1=clear_l1)
     return plan
 
 
@@ -431,10 +432,11 @@ def _export(
     parsed: Mapping[str, Mapping[str, float]],
     state: EndpointState,
     plan: SyncPlan,
+    *,
+    cleared_l1: bool,
 ) -> None:
     nvme = compute_tenant_usage(desired, {s: q.usage_bytes for s, q in current.items()})
-    cleared = plan.clear_l1 and L1_GOVERNED_BYTES not in parsed
-    l1 = {} if cleared else compute_l1_bytes_by_salt(parsed, state.l1_baseline)
+    l1 = {} if cleared_l1 else compute_l1_bytes_by_salt(parsed, state.l1_baseline)
     cpu = compute_tenant_usage(desired, l1)
     # Series of removed tenants must disappear, not freeze at their last value.
     m.tenant_bytes.clear()
