@@ -226,9 +226,9 @@ def test_examples_create_exactly_the_expected_objects(full_cluster: ControlPlane
 
 def _readiness_report(plane: ControlPlane, namespace: str) -> str:
     lines = [f"bank Ready: {condition(tenant(plane, namespace, 'bank'))}"]
-    for kind in ("apps/v1/namespaces/{ns}/statefulsets", "apps/v1/namespaces/{ns}/deployments"):
-        for obj in get(plane, "/apis/" + kind.format(ns=namespace))["items"]:
-            lines.append(f"{obj['kind']} {obj['metadata']['name']}: {obj.get('status')}")
+    for resource in ("statefulsets", "deployments"):
+        for obj in get(plane, f"/apis/apps/v1/namespaces/{namespace}/{resource}")["items"]:
+            lines.append(f"{resource} {obj['metadata']['name']}: {obj.get('status')}")
     for pod in get(plane, f"/api/v1/namespaces/{namespace}/pods")["items"]:
         status = pod.get("status") or {}
         conditions = [(c["type"], c["status"]) for c in status.get("conditions") or []]
