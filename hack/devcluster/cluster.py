@@ -368,8 +368,10 @@ def build_controller_manager_args(kcm: Path, pki: Pki, kubeconfig: Path, port: i
         # Each controller acts as its own service account, so RBAC applies to it as in a real cluster.
         "--use-service-account-credentials=true",
         # kwok renews node leases, but on a loaded 2-core machine a renewal can be late: wait long before
-        # calling a fake node unreachable (and evicting its pods).
-        "--node-monitor-grace-period=120s",
+        # calling a fake node unreachable. A node called unreachable gets its pods marked not Ready, and
+        # kwok never marks them Ready again (its pod-ready stage only runs once per pod): at 120 s this
+        # left gateway pods not Ready in some full CI runs.
+        "--node-monitor-grace-period=900s",
         "--leader-elect=false",
         f"--cluster-cidr={POD_CIDR}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",

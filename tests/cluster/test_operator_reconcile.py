@@ -234,6 +234,10 @@ def _readiness_report(plane: ControlPlane, namespace: str) -> str:
         conditions = [(c["type"], c["status"]) for c in status.get("conditions") or []]
         where = pod["spec"].get("nodeName")
         lines.append(f"Pod {pod['metadata']['name']} on {where}: {status.get('phase')} {conditions}")
+    for node in get(plane, "/api/v1/nodes")["items"]:
+        ready = condition(node)
+        since = ready.get("lastTransitionTime")
+        lines.append(f"Node {node['metadata']['name']}: Ready={ready.get('status')} since {since}")
     return "\n".join(lines)
 
 
