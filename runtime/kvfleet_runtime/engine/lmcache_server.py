@@ -35,9 +35,9 @@ from lmcache.v1.distributed.storage_controllers.eviction_controller import Evict
 from lmcache.v1.mp_observability.event_bus import get_event_bus
 from prometheus_client import Counter, Gauge
 
-from kvfleet_runtime.config import KeyFile, TenantTable
 from kvfleet_runtime.engine.l1_governance import L1Governor, L1Limits, compute_l1_limits
-from kvfleet_runtime.engine.plugin_config import PluginSettings, file_stamp, load_plugin_settings
+from kvfleet_runtime.engine.lmcache_sync import ConfigWatcher
+from kvfleet_runtime.engine.plugin_config import PluginSettings, load_plugin_settings
 from kvfleet_runtime.kv.policy import EvictionReason
 
 SUPPORTED_LMCACHE_VERSION = "0.5.6"
@@ -88,37 +88,6 @@ class L1Metrics:
                 self._reported[(salt, reason)] = max(before, count)
 
 
-class TableFiles:
-    """The tenant table and key file, re-read when either changes (``None`` when unchanged or invalid)."""
-
-    def __init__(self, settings: PluginSettings, capacity_bytes: int) -> None:
-        self.settings = settings
-        self.capacity_bytes = capacity_bytes
-        self._stamps: tuple[tuple[int, int], tuple[int, int]] | None = None
-
-    def _stamps_now(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (file_stamp(self.settings.tenant_table), file_stamp(self.settings.key_file))
-
-    def load(self) -> L1Limits:
-        """First load: raises so a misconfigured LMCache fails at start-up."""
-        stamps = self._stamps_now()
-        limits = self._read()
-        self._stamps = stamps
-        return limits
-
-    def poll(self) -> L1Limits | None:
-        stamps = self._stamps_now()
-        if stamps == self._stamps:
-            return None
-        self._stamps = stamps
-        return self._read()
-
-    def _read(self) -> L1Limits:
-        table = TenantTable.load(self.settings.tenant_table)
-        keys = KeyFile.load(self.settings.key_file)
-        return compute_l1_limits(table, keys, self.settings.pool, self.capacity_bytes)
-
-
 class GovernedL1Policy(EvictionPolicy):  # type: ignore[misc]
     """LMCache's eviction-policy interface, forwarding L1 events to the governor."""
 
@@ -165,8 +134,12 @@ class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
         self._l1_manager = l1_manager
         self._eviction_config = eviction_config
         _, total = l1_manager.get_memory_usage()
-        self._files = TableFiles(self.settings, total)
-        self.governor = L1Governor(total, self._files.load())
+        self._capacity = total
+        self._watcher = ConfigWatcher(self.settings.tenant_table, self.settings.key_file)
+        if not self._watcher.refresh():  # a misconfigured LMCache fails at start-up (reason logged)
+            files = f"{self.settings.tenant_table} and {self.settings.key_file}"
+            raise RuntimeError(f"kvfleet L1 governance: cannot load {files}")
+        self.governor = L1Governor(total, self._limits())
         self._eviction_policy = GovernedL1Policy(self.governor, l1_manager)
         self._listener = L1EvictionPolicy(self._eviction_policy)
         l1_manager.register_listener(self._listener)
@@ -189,16 +162,22 @@ class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
             except Exception:  # the loop must outlive one bad cycle; LMCache keeps serving
                 log.exception("kvfleet L1 eviction cycle failed")
 
+    def _limits(self) -> L1Limits:
+        table, keys = self._watcher.table, self._watcher.keys
+        assert table is not None and keys is not None  # loaded in __init__
+        return compute_l1_limits(table, keys, self.settings.pool, self._capacity)
+
     def run_cycle(self) -> None:
-        try:
-            reloaded = self._files.poll()
-        except (OSError, ValueError) as exc:
+        failures = self._watcher.failures
+        if self._watcher.refresh():
+            try:
+                self.governor.set_limits(self._limits())
+                self.metrics.reloads.labels("ok").inc()
+            except ValueError as exc:  # e.g. this pool is no longer in the table
+                self.metrics.reloads.labels("error").inc()
+                log.warning("tenant table reload failed, keeping the previous limits: %s", exc)
+        elif self._watcher.failures > failures:
             self.metrics.reloads.labels("error").inc()
-            log.warning("tenant table reload failed, keeping the previous limits: %s", exc)
-            reloaded = None
-        if reloaded is not None:
-            self.governor.set_limits(reloaded)
-            self.metrics.reloads.labels("ok").inc()
         gone = self.governor.take_removed()
         if gone:
             result = self._l1_manager.delete([key for key, _, _ in gone])

@@ -464,6 +464,8 @@ class ConfigWatcher:
         self._stamp: tuple[float, float] | None = None
         self.table: TenantTable | None = None
         self.keys: KeyFile | None = None
+        #: Refreshes that found a file unreadable or invalid.
+        self.failures = 0
 
     def _mtimes(self) -> tuple[float, float]:
         return (self.table_path.stat().st_mtime_ns, self.keys_path.stat().st_mtime_ns)
@@ -474,6 +476,7 @@ class ConfigWatcher:
             stamp = self._mtimes()
         except OSError as exc:
             log.error("cannot stat config files: %s", exc)
+            self.failures += 1
             return False
         if stamp == self._stamp:
             return False
@@ -482,6 +485,7 @@ class ConfigWatcher:
         except (OSError, ValueError) as exc:
             log.error("rejected new tenant table/key file, keeping the last good one: %s", exc)
             self._stamp = stamp
+            self.failures += 1
             return False
         self.table, self.keys, self._stamp = table, keys, stamp
         return True

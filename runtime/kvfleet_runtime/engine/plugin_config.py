@@ -35,7 +35,6 @@ __all__ = [
     "ENV_TENANT_TABLE",
     "PluginSettings",
     "TenantSource",
-    "file_stamp",
     "load_plugin_settings",
 ]
 
@@ -97,7 +96,7 @@ def load_plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
     )
 
 
-def file_stamp(path: Path) -> tuple[int, int]:
+def _stamp(path: Path) -> tuple[int, int]:
     st = os.stat(path)  # follows the symlinks Kubernetes swaps on ConfigMap/Secret updates
     return (st.st_mtime_ns, st.st_size)
 
@@ -121,7 +120,7 @@ class TenantSource:
 
     def load(self) -> Attribution:
         """First load; raises (``OSError``, ``ValueError``) so a misconfigured engine fails at start-up."""
-        stamps = (file_stamp(self.settings.tenant_table), file_stamp(self.settings.key_file))
+        stamps = (_stamp(self.settings.tenant_table), _stamp(self.settings.key_file))
         attribution = self._read()
         self._stamps = stamps
         return attribution
@@ -132,7 +131,7 @@ class TenantSource:
             return None
         self._next_check = now + self.check_interval
         try:
-            stamps = (file_stamp(self.settings.tenant_table), file_stamp(self.settings.key_file))
+            stamps = (_stamp(self.settings.tenant_table), _stamp(self.settings.key_file))
         except OSError as exc:
             logger.warning("kvfleet: cannot stat the tenant table or key file: %s", exc)
             return None
