@@ -182,7 +182,7 @@ def tenants_ready(plane: ControlPlane) -> list[dict[str, Any]] | None:
         for t in items
         if any(
             c["type"] == "Ready" and c["status"] == "True"
-            for c in (t.get("status") or {}).get("conditions", [])
+            for c in (t.get("status") or {}).get("conditions") or []
         )
     ]
     return items if items and len(ready) == len(items) else None

@@ -265,7 +265,7 @@ class ControlPlane:
 
 def _node_schedulable(node: dict[str, Any]) -> bool:
     """Ready=True and none of the ``node.kubernetes.io/*`` condition taints (not-ready, unreachable, ...)."""
-    conditions = node.get("status", {}).get("conditions", [])
+    conditions = (node.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     taints = node.get("spec", {}).get("taints", []) or []
     return ready and not any(t.get("key", "").startswith("node.kubernetes.io/") for t in taints)

@@ -93,8 +93,9 @@ def crd_established(plane: ControlPlane, name: str) -> bool:
     status, body = plane.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
     if status != 200:
         return False
-    conditions = body.get("status", {}).get("conditions", [])
-    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+    # A CRD the API server has only just stored has ``status: {}`` or ``conditions: null``: not yet.
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
 
 def cel_messages() -> set[str]:
