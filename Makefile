@@ -16,8 +16,8 @@ test: ## Provision the real components and run the whole test suite (what CI run
 venv: ## Create .venv with the dev extras.
 	@hack/bootstrap.sh
 
-lint: venv ## ruff and mypy --strict.
-	@.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy
+lint: venv ## ruff, mypy --strict and the import contracts (lint-imports).
+	@.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy && .venv/bin/lint-imports
 
 unit: venv ## Only the unit tests (fast).
 	@.venv/bin/pytest -m unit

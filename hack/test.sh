@@ -14,5 +14,7 @@ echo "==> ruff"
 .venv/bin/ruff format --check .
 echo "==> mypy --strict"
 .venv/bin/mypy
+echo "==> import contracts (pyproject.toml [tool.importlinter])"
+.venv/bin/lint-imports
 echo "==> pytest"
 exec .venv/bin/pytest "$@"
