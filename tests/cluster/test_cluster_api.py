@@ -28,8 +28,8 @@ from cluster_helpers import (
 )
 from devcluster import ControlPlane
 
-# The invalid-manifest table of the API models (tests/unit replays it through pydantic).
-from kvfleet_operator.api.invalid_manifests import (
+# The invalid-manifest table (tests/invalid_manifests.py; tests/unit replays it through pydantic).
+from invalid_manifests import (
     INVALID_MANIFESTS,
     InvalidManifestCase,
     RuleKind,

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from invalid_manifests import apply_patch, build_base_manifest
 from kvfleet_operator.api import (
     ArchitecturePreset,
     ModelDeployment,
@@ -17,7 +18,6 @@ from kvfleet_operator.api import (
     parse_percent,
     parse_quantity,
 )
-from kvfleet_operator.api.invalid_manifests import apply_patch, build_base_manifest
 from kvfleet_runtime.config import Isolation, SlaTier
 from kvfleet_runtime.kv import sizing
 from kvfleet_runtime.kv.presets import PRESETS

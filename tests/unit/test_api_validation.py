@@ -16,7 +16,7 @@ import pytest
 import yaml
 from openapi_schema_validator import OAS30Validator, oas30_format_checker
 
-from kvfleet_operator.api.invalid_manifests import (
+from invalid_manifests import (
     INVALID_MANIFESTS,
     REMOVE,
     InvalidManifestCase,

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from celpy import celtypes
 
-from kvfleet_operator.api.invalid_manifests import (
+from invalid_manifests import (
     INVALID_MANIFESTS,
     InvalidManifestCase,
     RuleKind,

@@ -7,8 +7,9 @@ Public names:
 * parsing: :func:`parse_manifest` (dict -> model, with the update check when ``old`` is given;
   raises :class:`ManifestError` naming the fields), :func:`parse_quantity` (``256Gi`` -> bytes),
   :func:`parse_duration` (``10m`` -> seconds), :func:`parse_percent` (``50%`` -> 0.5);
-* CRD generation: :mod:`kvfleet_operator.api.crdgen` (``build_crds``, ``build_crd_reference``, ``main``);
-* the invalid-manifest table: :mod:`kvfleet_operator.api.invalid_manifests` (``INVALID_MANIFESTS``).
+* CRD generation: :mod:`kvfleet_operator.api.crdgen` (``build_crds``, ``build_crd_reference``, ``main``).
+
+The table of invalid manifests every admission path must reject is test data: ``tests/invalid_manifests.py``.
 """
 
 from kvfleet_operator.api.common import API_VERSION, GROUP, VERSION, Condition, ConditionStatus
