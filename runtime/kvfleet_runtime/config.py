@@ -27,6 +27,19 @@ TENANT_TABLE_FILENAME = "tenants.json"
 KEY_FILE_FILENAME = "keys.json"
 SCHEMA_VERSION = 1
 
+#: The ports of an engine pod and of the gateway, defined here only: the operator's Pod, Service and
+#: NetworkPolicy builders, the defaults of ``EngineSettings``/``LMCacheSettings`` below and
+#: ``kvfleet engine launch`` all import them.
+ENGINE_PORT = 8000  # vLLM's OpenAI server
+PLUGIN_METRICS_PORT = 8001  # the engine plugin's per-tenant KV metrics
+LMCACHE_SYNC_METRICS_PORT = 8002  # the LMCache quota sync's metrics
+LMCACHE_PORT = 6555  # LMCache's ZMQ port, where vLLM's LMCacheMPConnector connects (inside the pod)
+LMCACHE_HTTP_PORT = 6556  # LMCache's HTTP API: /healthcheck, /status, /quota, /cache/clear, /metrics
+GATEWAY_PORT = 8080  # the gateway's OpenAI endpoint
+#: LMCache's default chunk, in tokens (``lmcache server --chunk-size``). LMCache stores, evicts and
+#: enforces quotas in whole chunks, so "within quota" means within quota plus one chunk.
+DEFAULT_LMCACHE_CHUNK_TOKENS = 256
+
 
 class SlaTier(StrEnum):
     """Service tier a tenant bought. It sets scheduling priority and the eviction order on ties."""
@@ -36,8 +49,18 @@ class SlaTier(StrEnum):
     BASIC = "basic"
 
 
-#: vLLM's ``--scheduling-policy priority`` serves lower values first.
-TIER_PRIORITY: dict[SlaTier, int] = {SlaTier.PREMIUM: 0, SlaTier.STANDARD: 10, SlaTier.BASIC: 20}
+#: The SLA order, from the tier that gives way first to the one that gives way last: evicted first when
+#: tenants tie (``kv.policy``), served last (``TIER_PRIORITY``), and the tier a group of tenants sharing a
+#: cache salt takes (``kv.limits``). Every ranking of SLA tiers derives from this tuple.
+SLA_ORDER: tuple[SlaTier, ...] = (SlaTier.BASIC, SlaTier.STANDARD, SlaTier.PREMIUM)
+#: Rank in ``SLA_ORDER``: a higher rank keeps its KV longer and is served sooner.
+SLA_RANK: dict[SlaTier, int] = {tier: rank for rank, tier in enumerate(SLA_ORDER)}
+#: vLLM's ``--scheduling-policy priority`` serves lower values first (premium 0, standard 10, basic 20).
+TIER_PRIORITY: dict[SlaTier, int] = {
+    tier: 10 * (len(SLA_ORDER) - 1 - SLA_RANK[tier]) for tier in reversed(SLA_ORDER)
+}
+#: Fraction of a tier any one tenant may hold while others need room, unless the pool sets its own.
+DEFAULT_BURST_CAP = 0.5
 
 
 class Isolation(StrEnum):
@@ -63,10 +86,14 @@ class _Model(BaseModel):
 NonNegInt = Annotated[int, Field(ge=0)]
 KeyHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 PosFloat = Annotated[float, Field(gt=0)]
+Port = Annotated[int, Field(gt=0, lt=65536)]
 
 
 class TierTTLs(_Model):
-    """Idle time after which a tenant's cached KV on a tier becomes the first eviction candidate."""
+    """Idle time after which a tenant's cached KV on a tier becomes the first eviction candidate.
+
+    The defaults are kvfleet's default TTLs (HBM 30 s, CPU 10 min, NVMe a day), defined here only.
+    """
 
     hbm_seconds: PosFloat = 30.0
     cpu_seconds: PosFloat = 600.0
@@ -129,29 +156,49 @@ class TenantEntry(_Model):
 
 
 class LMCacheSettings(_Model):
-    """The LMCache server that runs next to each engine replica (server mode, see docs/operations.md)."""
+    """The LMCache server that runs next to each engine replica (server mode, see docs/operations.md).
 
+    ``kvfleet engine launch`` turns every field into an ``lmcache server`` flag
+    (``engine.launcher.build_lmcache_args``), except ``nvme_bytes`` (see there). A pool without this
+    section runs no LMCache server.
+    """
+
+    #: ``--l1-size-gb``: the CPU memory tier (L1). The launcher gives L1 at least 1/8 GiB, because an
+    #: NVMe-only pool still stages chunks in L1 on their way to L2.
     cpu_bytes: Annotated[int, Field(gt=0)]
+    #: Not an LMCache flag: LMCache's ``fs`` L2 adapter has no capacity setting. The volume holds this
+    #: much, and the per-salt quotas (``engine.lmcache_sync``) keep the tier within it.
     nvme_bytes: NonNegInt = 0
-    #: Directory of the NVMe (L2) tier inside the pod; ``None`` disables the tier.
+    #: ``--l2-adapter`` ``{"type": "fs", "base_path": ...}``: the NVMe (L2) tier's directory inside the
+    #: pod; ``None`` disables the tier.
     nvme_path: str | None = None
-    chunk_size: Annotated[int, Field(gt=0)] = 256
-    eviction_policy: str = "IsolatedLRU"
-    #: ZMQ port vLLM's LMCacheMPConnector talks to, and the HTTP port of the quota/clear API.
-    port: Annotated[int, Field(gt=0, lt=65536)] = 6555
-    http_port: Annotated[int, Field(gt=0, lt=65536)] = 6556
+    #: ``--chunk-size``: tokens per LMCache chunk.
+    chunk_size: Annotated[int, Field(gt=0)] = DEFAULT_LMCACHE_CHUNK_TOKENS
+    #: The L2 adapter's ``eviction_policy``. ``IsolatedLRU`` enforces the per-salt quotas; L1 always runs
+    #: LMCache's global ``LRU`` (``IsolatedLRU`` raises on L1), governed per tenant by kvfleet.
+    eviction_policy: Literal["IsolatedLRU", "LRU", "ARC", "noop"] = "IsolatedLRU"
+    #: ``--port``: the ZMQ port vLLM's LMCacheMPConnector talks to.
+    port: Port = LMCACHE_PORT
+    #: ``--http-port``: the HTTP API (quotas, clear, status, metrics).
+    http_port: Port = LMCACHE_HTTP_PORT
 
 
 class EngineSettings(_Model):
-    """How the launcher starts vLLM for a pool. The operator renders it from the ModelDeployment."""
+    """How the launcher starts vLLM for a pool. The operator renders it from the ModelDeployment.
 
-    #: What vLLM loads: a local path (PVC mount) or a Hugging Face id.
+    ``kvfleet engine launch`` turns every field into a vLLM flag (``engine.launcher.build_vllm_args``),
+    except ``plugin_metrics_port``, which the engine plugin reads from this table itself.
+    """
+
+    #: ``--model``: a local path (PVC mount) or a Hugging Face id.
     model: Annotated[str, Field(min_length=1)]
     revision: str | None = None
     tensor_parallel_size: Annotated[int, Field(ge=1)] = 1
     pipeline_parallel_size: Annotated[int, Field(ge=1)] = 1
     data_parallel_size: Annotated[int, Field(ge=1)] = 1
     enable_expert_parallel: bool = False
+    #: ``--max-model-len``, further capped to what the pool's KV cache holds (the launcher's
+    #: ``resolve_replica``).
     max_model_len: Annotated[int, Field(gt=0)] | None = None
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     kv_cache_dtype: Literal["auto", "fp8_e5m2", "fp8_e4m3"] = "auto"
@@ -159,12 +206,16 @@ class EngineSettings(_Model):
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: Annotated[int, Field(gt=0)] | None = None
     scheduling_policy: Literal["priority", "fcfs"] = "priority"
-    #: Test and CPU-demo knob: a fixed number of KV blocks instead of sizing from memory.
+    #: Test and CPU-demo knob: a fixed number of KV blocks instead of the pool's
+    #: ``hbm_blocks_per_replica`` (which is what the operator sized and admitted quotas against).
     num_gpu_blocks_override: Annotated[int, Field(gt=0)] | None = None
+    #: Appended to vLLM's command line verbatim (after every flag above).
     extra_args: list[str] = []
-    port: Annotated[int, Field(gt=0, lt=65536)] = 8000
-    #: Where the engine plugin serves its per-tenant KV metrics.
-    plugin_metrics_port: Annotated[int, Field(gt=0, lt=65536)] = 8001
+    #: ``--port`` of vLLM's OpenAI server.
+    port: Port = ENGINE_PORT
+    #: Not a vLLM flag: where the engine plugin serves its per-tenant KV metrics (``plugin_config`` reads
+    #: it from this table).
+    plugin_metrics_port: Port = PLUGIN_METRICS_PORT
     lmcache: LMCacheSettings | None = None
 
 
@@ -176,12 +227,14 @@ class PoolEntry(_Model):
     endpoints: list[str] = []
     #: Base URLs of each replica's LMCache HTTP API, same order as ``endpoints``.
     lmcache_endpoints: list[str] = []
+    #: Tokens per KV block (vLLM's ``--block-size``).
     block_size: Annotated[int, Field(gt=0)]
+    #: KV blocks per replica as the operator sized them (vLLM's ``--num-gpu-blocks-override``).
     hbm_blocks_per_replica: NonNegInt
     cpu_bytes_per_replica: NonNegInt = 0
     nvme_bytes_per_replica: NonNegInt = 0
     #: Fraction of the pool any one tenant may hold while others need room.
-    burst_cap: Annotated[float, Field(gt=0, le=1)] = 0.5
+    burst_cap: Annotated[float, Field(gt=0, le=1)] = DEFAULT_BURST_CAP
     dedicated_to: str | None = None
     #: How replicas of this pool start vLLM (absent when engines are managed outside kvfleet).
     engine: EngineSettings | None = None
@@ -192,6 +245,7 @@ class TenantTable(_Model):
 
     schema_version: int = SCHEMA_VERSION
     model_deployment: Annotated[str, Field(min_length=1)]
+    #: The model name clients ask for (vLLM's ``--served-model-name``).
     served_model_name: Annotated[str, Field(min_length=1)]
     #: Salt id of the shared pool (input to the salt HMAC for `shared` tenants).
     pool_salt_id: Annotated[str, Field(min_length=1)]

@@ -16,7 +16,8 @@ from kvfleet_runtime.config import (
     derive_cache_salt,
 )
 from kvfleet_runtime.engine.l1_governance import L1Governor, L1Limits, compute_l1_limits
-from kvfleet_runtime.kv.policy import EvictionReason, TenantLimits
+from kvfleet_runtime.kv.limits import TenantLimits
+from kvfleet_runtime.kv.policy import EvictionReason
 
 SALT_KEY = "cd" * 32
 MIB = 1 << 20

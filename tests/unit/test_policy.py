@@ -17,13 +17,8 @@ from kvfleet_runtime.config import (
     TenantTable,
     TierTTLs,
 )
-from kvfleet_runtime.kv.policy import (
-    EvictionReason,
-    TenantLimits,
-    TierPolicy,
-    build_tenant_limits,
-    build_tier_limits,
-)
+from kvfleet_runtime.kv.limits import TenantLimits, build_tenant_limits, build_tier_limits
+from kvfleet_runtime.kv.policy import EvictionReason, TierPolicy
 
 
 def limits(

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfleet_runtime.config import KVTier, SlaTier
-from kvfleet_runtime.kv.policy import EvictionReason, TenantLimits, TierPolicy
+from kvfleet_runtime.kv.limits import TenantLimits
+from kvfleet_runtime.kv.policy import EvictionReason, TierPolicy
 
 TENANTS = ["a", "b", "c", "d"]
 

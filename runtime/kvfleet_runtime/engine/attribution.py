@@ -13,38 +13,31 @@ of its own, and its accounting tenant is the tenant itself (its name is the metr
 prefix, so a block cached by one shared tenant is *the same block* another shared tenant hits: there is
 no honest way to split it between them. The shared group is therefore one accounting tenant named
 ``shared:<pool_salt_id>`` (the same for any number of members, so adding or removing a shared tenant
-never renames it and never loses its accounting). Its limits combine its members':
-
-* quota = the sum of the members' ``hbm_blocks`` (each member's guarantee is part of the group's);
-* burst = the sum of the members' ``hbm_burst_blocks``, capped at the pool's burst cap (never below the
-  quota);
-* TTL = the longest member TTL (a shared block serves every member, so it lives as long as the most
-  patient member wants);
-* SLA tier = the best member tier (a premium member's reservation is in the group's quota).
+never renames it and never loses its accounting). Its limits combine its members' by the group rules
+of ``kv.limits`` (quotas and bursts summed, the burst capped at the pool's burst cap, the longest TTL, the
+best SLA tier).
 
 Any other salt used by two or more tenants of the pool (only possible if a table reuses a salt id) is
 treated the same way, named ``shared:<salt_id>``.
 
 Requests without a salt, or with a salt no tenant of this pool derives (a client that bypassed the
 gateway, a tenant removed from the table), belong to ``unattributed``: quota 0, the pool's burst cap and
-the default HBM TTL, so its blocks are always over quota and go first.
+the default HBM TTL (``kv.limits.build_default_limits``), so its blocks are always over quota and go
+first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvfleet_runtime.config import (
-    KeyFile,
-    KVTier,
-    SlaTier,
-    TenantEntry,
-    TenantTable,
-    TierTTLs,
-    derive_cache_salt,
+from kvfleet_runtime.config import KeyFile, KVTier, TenantEntry, TenantTable, derive_cache_salt
+from kvfleet_runtime.kv.limits import (
+    TenantLimits,
+    build_default_limits,
+    build_group_limits,
+    group_by_salt_id,
 )
-from kvfleet_runtime.kv.policy import TenantLimits, build_tenant_limits
 
 __all__ = [
     "SHARED_PREFIX",
@@ -59,8 +52,6 @@ __all__ = [
 UNATTRIBUTED = "unattributed"
 #: Prefix of the accounting tenant of a salt shared by several tenants (the pool salt).
 SHARED_PREFIX = "shared:"
-
-_SLA_RANK: dict[SlaTier, int] = {SlaTier.BASIC: 0, SlaTier.STANDARD: 1, SlaTier.PREMIUM: 2}
 
 
 @dataclass(frozen=True)
@@ -82,7 +73,7 @@ class Attribution:
         return self.salt_to_tenant.get(cache_salt, UNATTRIBUTED)
 
 
-def compute_accounting_name(table: TenantTable, salt_id: str, members: list[TenantEntry]) -> str:
+def compute_accounting_name(table: TenantTable, salt_id: str, members: Sequence[TenantEntry]) -> str:
     """The accounting tenant of the tenants in ``members``, which all send the salt of ``salt_id``."""
     if salt_id == table.pool_salt_id or len(members) > 1:
         return SHARED_PREFIX + salt_id
@@ -91,18 +82,7 @@ def compute_accounting_name(table: TenantTable, salt_id: str, members: list[Tena
 
 def build_unattributed_limits(capacity: int, burst_cap: float) -> TenantLimits:
     """Limits of requests no tenant of the pool claims: nothing guaranteed, first to go."""
-    return TenantLimits(quota=0, burst=int(capacity * burst_cap), ttl_seconds=TierTTLs().hbm_seconds)
-
-
-def _build_group_limits(members: list[TenantEntry], capacity: int, burst_cap: float) -> TenantLimits:
-    quota = sum(m.quota.hbm_blocks for m in members)
-    burst = min(sum(m.quota.hbm_burst_blocks for m in members), int(capacity * burst_cap))
-    return TenantLimits(
-        quota=quota,
-        burst=max(quota, burst),
-        ttl_seconds=max(m.ttl.hbm_seconds for m in members),
-        sla=max((m.tier for m in members), key=_SLA_RANK.__getitem__),
-    )
+    return build_default_limits(KVTier.HBM, capacity, burst_cap)
 
 
 def build_attribution(table: TenantTable, keys: KeyFile, pool: str, capacity: int) -> Attribution:
@@ -113,21 +93,14 @@ def build_attribution(table: TenantTable, keys: KeyFile, pool: str, capacity: in
     if pool not in table.pools:
         raise ValueError(f"pool {pool!r} is not in the tenant table (pools: {sorted(table.pools)})")
     burst_cap = table.pools[pool].burst_cap
-    by_salt_id: dict[str, list[TenantEntry]] = {}
-    for entry in table.tenants.values():
-        if entry.pool == pool:
-            by_salt_id.setdefault(entry.salt_id, []).append(entry)
     salt_to_tenant: dict[str, str] = {}
     limits: dict[str, TenantLimits] = {}
     members: dict[str, tuple[str, ...]] = {}
-    for salt_id, group in sorted(by_salt_id.items()):
+    for salt_id, group in sorted(group_by_salt_id(table, pool).items()):
         name = compute_accounting_name(table, salt_id, group)
         salt_to_tenant[derive_cache_salt(keys.salt_key, salt_id)] = name
-        members[name] = tuple(sorted(m.name for m in group))
-        if name.startswith(SHARED_PREFIX):
-            limits[name] = _build_group_limits(group, capacity, burst_cap)
-        else:
-            limits[name] = build_tenant_limits(group[0], KVTier.HBM, capacity, burst_cap)
+        members[name] = tuple(m.name for m in group)  # in name order
+        limits[name] = build_group_limits(group, KVTier.HBM, capacity, burst_cap)
     unattributed = build_unattributed_limits(capacity, burst_cap)
     limits[UNATTRIBUTED] = unattributed
     members[UNATTRIBUTED] = ()

@@ -6,12 +6,12 @@ L1 eviction controller for one that hosts an :class:`L1Governor`: the same
 :class:`~kvfleet_runtime.kv.policy.TierPolicy` that governs vLLM's HBM blocks and the simulator, here
 keyed by LMCache object key, one policy tenant per cache salt, entry sizes in bytes.
 
-Limits per salt (:func:`compute_l1_limits`): a salted tenant has its own salt; shared tenants use the
-pool's salt, whose quota is the **sum** of theirs, TTL the **max**, SLA tier the highest (the same rules
-as the NVMe quotas in ``lmcache_sync``). Quota = the tenant table's ``quota.cpu_bytes``; burst = the
-pool's ``burst_cap`` of the L1 size, never below the quota; TTL = ``ttl.cpu_seconds``. A salt that is not
-in the table (for example the empty salt of a request sent to an engine directly) gets quota 0, so it is
-the first to go under pressure.
+Limits per salt (:func:`compute_l1_limits`, by the rules of ``kv.limits`` for the CPU tier): a salted
+tenant has its own salt; shared tenants use the pool's salt, whose quota is the **sum** of theirs, TTL the
+**max**, SLA tier the highest (the same rules as the NVMe quotas in ``lmcache_sync``). Quota = the tenant
+table's ``quota.cpu_bytes``; burst = the pool's ``burst_cap`` of the L1 size, never below the quota;
+TTL = ``ttl.cpu_seconds``. A salt that is not in the table (for example the empty salt of a request sent
+to an engine directly) gets quota 0, so it is the first to go under pressure.
 
 A salt that leaves the table (tenant deleted) has all its L1 objects deleted in the next cycle
 (:meth:`L1Governor.take_removed`); other salts keep theirs.
@@ -39,15 +39,16 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvfleet_runtime.config import KeyFile, KVTier, SlaTier, TenantTable
-from kvfleet_runtime.engine.lmcache_sync import compute_salt_quotas
-from kvfleet_runtime.kv.policy import EvictionReason, TenantLimits, TierPolicy, Victim
+from kvfleet_runtime.config import KeyFile, KVTier, TenantTable, derive_cache_salt
+from kvfleet_runtime.kv.limits import (
+    TenantLimits,
+    build_default_limits,
+    build_group_limits,
+    group_by_salt_id,
+)
+from kvfleet_runtime.kv.policy import EvictionReason, TierPolicy, Victim
 
 __all__ = ["L1Governor", "L1Limits", "SaltL1Usage", "compute_l1_limits"]
-
-#: CPU-tier TTL of a salt the tenant table does not know (TierTTLs' default for the CPU tier).
-UNKNOWN_SALT_TTL_SECONDS = 600.0
-_SLA_ORDER = (SlaTier.BASIC, SlaTier.STANDARD, SlaTier.PREMIUM)
 
 
 @dataclass(frozen=True)
@@ -65,19 +66,13 @@ def compute_l1_limits(table: TenantTable, keys: KeyFile, pool: str, capacity_byt
     if pool not in table.pools:
         raise ValueError(f"pool {pool!r} is not in the tenant table (pools: {sorted(table.pools)})")
     burst_cap = table.pools[pool].burst_cap
-    pool_burst = int(capacity_bytes * burst_cap)
     per_salt: dict[str, TenantLimits] = {}
     tenants_of: dict[str, tuple[str, ...]] = {}
-    for salt, quota in compute_salt_quotas(table, keys, pool).items():
-        sla = max((table.tenants[name].tier for name in quota.tenants), key=_SLA_ORDER.index)
-        per_salt[salt] = TenantLimits(
-            quota=quota.cpu_bytes,
-            burst=max(quota.cpu_bytes, pool_burst),
-            ttl_seconds=quota.cpu_ttl_seconds,
-            sla=sla,
-        )
-        tenants_of[salt] = quota.tenants
-    default = TenantLimits(quota=0, burst=pool_burst, ttl_seconds=UNKNOWN_SALT_TTL_SECONDS)
+    for salt_id, members in group_by_salt_id(table, pool).items():
+        salt = derive_cache_salt(keys.salt_key, salt_id)
+        per_salt[salt] = build_group_limits(members, KVTier.CPU, capacity_bytes, burst_cap)
+        tenants_of[salt] = tuple(m.name for m in members)
+    default = build_default_limits(KVTier.CPU, capacity_bytes, burst_cap)
     return L1Limits(per_salt=per_salt, tenants_of=tenants_of, default=default)
 
 

@@ -21,8 +21,8 @@ Decisions:
 * Shared tenants send one salt; its NVMe quota is the **sum** of their quotas (each tenant brought its
   entitlement to a jointly used cache; max would let the group hold less than any two members
   bought) and its TTL the **max** of theirs (data one member still uses must not expire because
-  another member's TTL is shorter). Usage of a shared salt is attributed to its tenants in equal parts,
-  so per-tenant series add up to the true total.
+  another member's TTL is shorter): the group rules of ``kv.limits``. Usage of a shared salt is
+  attributed to its tenants in equal parts, so per-tenant series add up to the true total.
 * TTL expiry is done here because LMCache has none: the granularity is the **salt** (tenant), not the
   chunk. A salt is active when any of LMCache's per-salt counters moves (lookups, L1 writes/reads, L2
   stores) or its L2 usage changes; when it has been idle longer than its NVMe TTL, its quota is set to
@@ -49,7 +49,8 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt
+from kvfleet_runtime.config import KeyFile, KVTier, TenantTable, derive_cache_salt
+from kvfleet_runtime.kv.limits import group_by_salt_id, group_quota, group_ttl
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +90,16 @@ def compute_salt_quotas(table: TenantTable, keys: KeyFile, pool: str | None = No
 
     Shared tenants collapse onto the pool salt: NVMe/CPU quotas are summed, TTLs take the max.
     """
-    grouped: dict[str, list[Any]] = {}
-    for tenant in sorted(table.tenants.values(), key=lambda t: t.name):
-        if pool is not None and tenant.pool != pool:
-            continue
-        grouped.setdefault(derive_cache_salt(keys.salt_key, tenant.salt_id), []).append(tenant)
     out: dict[str, SaltQuota] = {}
-    for salt, tenants in grouped.items():
+    for salt_id, tenants in group_by_salt_id(table, pool).items():
+        salt = derive_cache_salt(keys.salt_key, salt_id)
         out[salt] = SaltQuota(
             salt=salt,
             tenants=tuple(t.name for t in tenants),
-            nvme_bytes=sum(t.quota.nvme_bytes for t in tenants),
-            cpu_bytes=sum(t.quota.cpu_bytes for t in tenants),
-            nvme_ttl_seconds=max(t.ttl.nvme_seconds for t in tenants),
-            cpu_ttl_seconds=max(t.ttl.cpu_seconds for t in tenants),
+            nvme_bytes=group_quota(tenants, KVTier.NVME),
+            cpu_bytes=group_quota(tenants, KVTier.CPU),
+            nvme_ttl_seconds=group_ttl(tenants, KVTier.NVME),
+            cpu_ttl_seconds=group_ttl(tenants, KVTier.CPU),
             tenant_nvme_bytes={t.name: t.quota.nvme_bytes for t in tenants},
             tenant_cpu_bytes={t.name: t.quota.cpu_bytes for t in tenants},
         )

@@ -14,10 +14,11 @@ reference it (vLLM: ``ref_cnt > 0``); pinned entries are never victims, exactly 
 only ever holds ``ref_cnt == 0`` blocks. Pins nest (``pin`` twice needs ``unpin`` twice), mirroring
 ``ref_cnt``. Idle time is ``now - last_use``; ``unpin`` to zero and ``touch`` set ``last_use = now``.
 
-Every tenant has :class:`TenantLimits` for the tier: a ``quota`` (the guarantee; for premium tenants a
-reservation), a ``burst`` cap (default 50% of the tier, never below the quota), a TTL and an SLA tier.
-Tenants without limits get ``default_limits`` (quota 0 unless configured, so an unknown tenant is always
-over quota and goes first: LMCache's allowlist semantics).
+Every tenant has :class:`~kvfleet_runtime.kv.limits.TenantLimits` for the tier: a ``quota`` (the
+guarantee; for premium tenants a reservation), a ``burst`` cap (default 50% of the tier, never below the
+quota), a TTL and an SLA tier. ``kv.limits`` derives them from the tenant table. Tenants without limits get
+``default_limits`` (quota 0 unless configured, so an unknown tenant is always over quota and goes first:
+LMCache's allowlist semantics).
 
 Victim order (``select_victims`` / ``make_room``), one victim at a time:
 
@@ -27,8 +28,8 @@ Victim order (``select_victims`` / ``make_room``), one victim at a time:
 1. ``ttl``: unpinned entries idle longer than their tenant's TTL for this tier, oldest ``last_use`` first.
 2. ``over_quota``: the least recently used entry of the tenant furthest above its quota. Ranking: tenants
    above their burst cap first, then by ``(usage - quota) / quota`` (quota 0 counts as infinitely over),
-   ties broken by SLA tier (basic before standard before premium). Re-ranked after every victim, so two
-   over-quota tenants are trimmed towards the same relative overshoot.
+   ties broken by SLA tier (``config.SLA_ORDER``: basic before standard before premium). Re-ranked after
+   every victim, so two over-quota tenants are trimmed towards the same relative overshoot.
 3. ``lru``: the global least recently used unpinned entry, except that premium tenants at or under their
    quota (reservations) are taken only when nothing else is left.
 
@@ -65,27 +66,18 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvfleet_runtime.config import KVTier, SlaTier, TenantEntry, TenantTable
+from kvfleet_runtime.config import SLA_RANK, KVTier, SlaTier
+from kvfleet_runtime.kv.limits import TenantLimits, build_default_limits
 
 __all__ = [
-    "DEFAULT_BURST_CAP",
-    "Admission",
+    "AdmitResult",
     "EntryInfo",
     "EvictionReason",
-    "TenantLimits",
     "TenantUsage",
     "TierPolicy",
     "Victim",
-    "build_tenant_limits",
-    "build_tier_limits",
     "total_size",
 ]
-
-#: Fraction of a tier any one tenant may hold while others need room (the design's burst cap).
-DEFAULT_BURST_CAP = 0.5
-
-#: Lower ranks are evicted first when two over-quota tenants are equally far over.
-_SLA_EVICTION_RANK: dict[SlaTier, int] = {SlaTier.BASIC: 0, SlaTier.STANDARD: 1, SlaTier.PREMIUM: 2}
 
 
 class EvictionReason(StrEnum):
@@ -94,24 +86,6 @@ class EvictionReason(StrEnum):
     TTL = "ttl"
     OVER_QUOTA = "over_quota"
     LRU = "lru"
-
-
-@dataclass(frozen=True, slots=True)
-class TenantLimits:
-    """One tenant's limits on one tier, in the tier's unit (blocks for HBM, bytes for CPU/NVMe)."""
-
-    quota: int
-    burst: int
-    ttl_seconds: float
-    sla: SlaTier = SlaTier.STANDARD
-
-    def __post_init__(self) -> None:
-        if self.quota < 0:
-            raise ValueError(f"quota must be >= 0, got {self.quota}")
-        if self.burst < self.quota:
-            raise ValueError(f"burst ({self.burst}) must be >= quota ({self.quota})")
-        if not self.ttl_seconds > 0:
-            raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +119,7 @@ class EntryInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class AdmitResult:
     """Result of :meth:`TierPolicy.admit`: whether the entry went in, and what was evicted for it."""
 
     admitted: bool
@@ -206,9 +180,7 @@ class TierPolicy:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.tier = tier
         self.capacity = capacity
-        self._default_limits = default_limits or TenantLimits(
-            quota=0, burst=int(capacity * DEFAULT_BURST_CAP), ttl_seconds=_DEFAULT_TTL[tier]
-        )
+        self._default_limits = default_limits or build_default_limits(tier, capacity)
         self._limits: dict[str, TenantLimits] = dict(limits or {})
         self._tenants: dict[str, _Tenant] = {}
         self._entries: dict[Hashable, _Entry] = {}
@@ -382,15 +354,17 @@ class TierPolicy:
             return []
         return self._evict(now, requester, max_victims=None, need=size)
 
-    def admit(self, key: Hashable, tenant: str, now: float, size: int = 1, pinned: bool = False) -> Admission:
+    def admit(
+        self, key: Hashable, tenant: str, now: float, size: int = 1, pinned: bool = False
+    ) -> AdmitResult:
         """``make_room`` for ``size`` on behalf of ``tenant``, then ``insert`` if it fits."""
         if size > self.capacity:
-            return Admission(False, [])
+            return AdmitResult(False, [])
         victims = self.make_room(size, now, requester=tenant)
         if self.free < size:
-            return Admission(False, victims)
+            return AdmitResult(False, victims)
         self.insert(key, tenant, now, size, pinned)
-        return Admission(True, victims)
+        return AdmitResult(True, victims)
 
     def trim_to_burst(self, now: float) -> list[Victim]:
         """Evict each tenant's own least recently used unpinned entries while it holds more than its burst.
@@ -456,9 +430,6 @@ class TierPolicy:
         name = entry.tenant.name
         self.evictions[(name, reason)] = self.evictions.get((name, reason), 0) + 1
         return Victim(key, name, entry.size, reason, max(0.0, now - entry.last_use))
-
-
-_DEFAULT_TTL: dict[KVTier, float] = {KVTier.HBM: 30.0, KVTier.CPU: 600.0, KVTier.NVME: 86_400.0}
 
 
 class _Selection:
@@ -555,7 +526,7 @@ class _Selection:
         if not state.lru or not state.is_over_quota():
             return None
         above_burst, ratio = state.over_score()
-        return (-above_burst, -ratio, _SLA_EVICTION_RANK[state.limits.sla], state.name)
+        return (-above_burst, -ratio, SLA_RANK[state.limits.sla], state.name)
 
     def _pop_over_quota(self) -> Victim | None:
         tenants = self._policy._tenants
@@ -610,44 +581,6 @@ class _Selection:
             heapq.heappush(self._over_heap, over)
         if self._lru_heap is not None and (lru := self._lru_item(state)) is not None:
             heapq.heappush(self._lru_heap, lru)
-
-
-# ----------------------------------------------------------------------------------------- builders
-def build_tenant_limits(
-    entry: TenantEntry,
-    tier: KVTier,
-    capacity: int,
-    burst_cap: float = DEFAULT_BURST_CAP,
-    unit_bytes: int = 1,
-) -> TenantLimits:
-    """A tenant-table entry's limits on one tier of ``capacity`` units.
-
-    HBM quotas are in blocks (``hbm_blocks`` / ``hbm_burst_blocks``, the burst also capped at
-    ``burst_cap`` of the tier unless the guarantee itself is larger); CPU/NVMe quotas are bytes, divided
-    by ``unit_bytes`` when the host counts in chunks or blocks rather than bytes.
-    """
-    pool_burst = int(capacity * burst_cap)
-    if tier is KVTier.HBM:
-        quota = entry.quota.hbm_blocks
-        burst = min(entry.quota.hbm_burst_blocks, pool_burst)
-    else:
-        quota = entry.quota.for_tier(tier) // unit_bytes
-        burst = pool_burst
-    return TenantLimits(
-        quota=quota, burst=max(quota, burst), ttl_seconds=entry.ttl.for_tier(tier), sla=entry.tier
-    )
-
-
-def build_tier_limits(
-    table: TenantTable, pool: str, tier: KVTier, capacity: int, unit_bytes: int = 1
-) -> dict[str, TenantLimits]:
-    """Limits of every tenant served by ``pool`` on one tier of one replica of that pool."""
-    burst_cap = table.pools[pool].burst_cap
-    return {
-        name: build_tenant_limits(entry, tier, capacity, burst_cap, unit_bytes)
-        for name, entry in table.tenants.items()
-        if entry.pool == pool
-    }
 
 
 def total_size(victims: Iterable[Victim]) -> int:

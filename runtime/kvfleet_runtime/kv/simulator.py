@@ -41,8 +41,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvfleet_runtime.config import KVTier, SlaTier, TierTTLs
-from kvfleet_runtime.kv.policy import EvictionReason, TenantLimits, TierPolicy, Victim
+from kvfleet_runtime.config import DEFAULT_BURST_CAP, KVTier, SlaTier, TierTTLs
+from kvfleet_runtime.kv.limits import TenantLimits, build_limits, burst_units
+from kvfleet_runtime.kv.policy import EvictionReason, TierPolicy, Victim
 from kvfleet_runtime.kv.workloads import Request
 
 __all__ = [
@@ -68,7 +69,7 @@ class TenantSpec:
     #: Quota on every tier as a fraction of that tier (``kvfleet`` policy only).
     share: float = 0.0
     ttl: TierTTLs = field(default_factory=TierTTLs)
-    burst_cap: float = 0.5
+    burst_cap: float = DEFAULT_BURST_CAP
     #: Cache salt group: tenants with the same salt share prefixes (isolation ``shared``).
     salt: str | None = None
     #: Quota on the CPU / NVMe tier as a fraction of that tier when it differs from ``share``.
@@ -287,15 +288,16 @@ class _Fleet:
             # Plain LRU through the same core: nobody is ever over quota, over burst or expired.
             everyone = TenantLimits(quota=capacity, burst=sys.maxsize, ttl_seconds=math.inf)
             return TierPolicy(tier, capacity, default_limits=everyone)
-        limits = {}
-        for t in tenants:
-            quota = int(t.share_of(tier) * capacity)
-            limits[t.name] = TenantLimits(
-                quota=quota,
-                burst=max(quota, int(t.burst_cap * capacity)),
-                ttl_seconds=t.ttl.for_tier(tier),
-                sla=t.sla,
+        # Quotas are shares of the tier here (no HBM burst of its own): the burst is the pool's cap.
+        limits = {
+            t.name: build_limits(
+                int(t.share_of(tier) * capacity),
+                burst_units(capacity, t.burst_cap),
+                t.ttl.for_tier(tier),
+                t.sla,
             )
+            for t in tenants
+        }
         return TierPolicy(tier, capacity, limits)
 
     def levels(self, replica: int) -> list[TierPolicy | None]:
@@ -317,10 +319,10 @@ class _Fleet:
         tier = self.levels(replica)[level]
         if tier is None:
             return False
-        admission = tier.admit(key, tenant, now, 1, pinned)
-        if admission.victims and level + 1 < len(_TIERS):
-            self._demote(replica, level + 1, admission.victims, now)
-        return admission.admitted
+        result = tier.admit(key, tenant, now, 1, pinned)
+        if result.victims and level + 1 < len(_TIERS):
+            self._demote(replica, level + 1, result.victims, now)
+        return result.admitted
 
     def _demote(self, replica: int, level: int, victims: list[Victim], now: float) -> None:
         lower = self.levels(replica)[level]
