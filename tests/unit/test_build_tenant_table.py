@@ -7,9 +7,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_operator.api import ModelDeployment, Tenant
+from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.build.tenant_table import (
-    REASON_QUOTA_EXCEEDS_CAPACITY,
     PoolEndpoints,
     admit_tenants,
     build_tenant_table,
@@ -74,7 +73,7 @@ def test_overcommit_rejects_the_later_tenant_with_numbers() -> None:
     by_name = {d.name: d for d in decisions}
     assert all(d.admitted for n, d in by_name.items() if n != "greedy")
     assert not by_name["greedy"].admitted
-    assert by_name["greedy"].reason == REASON_QUOTA_EXCEEDS_CAPACITY
+    assert by_name["greedy"].reason == reasons.QUOTA_EXCEEDS_CAPACITY
     assert "of 65536 blocks per replica" in by_name["greedy"].message
 
 

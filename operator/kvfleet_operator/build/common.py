@@ -6,6 +6,9 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
+from kvfleet_operator.api import ModelDeployment, Tenant
+from kvfleet_runtime import config
+
 Obj = dict[str, Any]
 
 MANAGED_BY = "kvfleet-operator"
@@ -20,12 +23,13 @@ LABEL_API_KEY = "kvfleet.io/api-key"
 #: Pods (in any namespace) carrying this label may scrape engine metrics ports.
 LABEL_SCRAPER = "kvfleet.io/metrics-scraper"
 
-ENGINE_PORT = 8000
-PLUGIN_METRICS_PORT = 8001
-LMCACHE_SYNC_METRICS_PORT = 8002
-LMCACHE_PORT = 6555
-LMCACHE_HTTP_PORT = 6556
-GATEWAY_PORT = 8080
+# The pod's ports are part of the runtime's contract: their numbers live in kvfleet_runtime.config only.
+ENGINE_PORT = config.ENGINE_PORT
+PLUGIN_METRICS_PORT = config.PLUGIN_METRICS_PORT
+LMCACHE_SYNC_METRICS_PORT = config.LMCACHE_SYNC_METRICS_PORT
+LMCACHE_PORT = config.LMCACHE_PORT
+LMCACHE_HTTP_PORT = config.LMCACHE_HTTP_PORT
+GATEWAY_PORT = config.GATEWAY_PORT
 
 CONFIG_DIR = "/etc/kvfleet/config"
 MODEL_MOUNT = "/models"
@@ -55,6 +59,13 @@ class Owner:
             "controller": True,
             "blockOwnerDeletion": True,
         }
+
+
+def owner_of(obj: ModelDeployment | Tenant) -> Owner:
+    meta = obj.metadata
+    return Owner(
+        api_version=obj.api_version, kind=obj.kind, name=str(meta["name"]), uid=str(meta.get("uid", ""))
+    )
 
 
 def selector_labels(model_deployment: str, component: str, pool: str | None = None) -> dict[str, str]:

@@ -13,19 +13,15 @@ from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     KEY_FILE_KEY,
-    LABEL_API_KEY,
-    LABEL_MANAGED_BY,
-    LABEL_TENANT,
-    MANAGED_BY,
     SHARED_POOL,
     TENANT_TABLE_KEY,
     Obj,
-    Owner,
     b64,
     config_map_name,
     keys_secret_name,
     metadata,
     object_labels,
+    owner_of,
 )
 from kvfleet_operator.build.engine import (
     ModelVolume,
@@ -57,9 +53,6 @@ from kvfleet_runtime.config import KeyFile, TenantTable, dump_json
 GPU_POOL_LABEL = "kvfleet.io/gpu-pool"
 GPU_GROUP_LABEL = "kvfleet.io/gpu-group"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-API_KEY_DATA_KEY = "api-key"
-#: During a rotation the previous key stays valid under ``<key>-previous`` until it is removed.
-PREVIOUS_SUFFIX = "-previous"
 
 
 @dataclass(frozen=True)
@@ -68,13 +61,6 @@ class OperatorImages:
 
     engine: str
     gateway: str
-
-
-def owner_of(obj: ModelDeployment | Tenant) -> Owner:
-    meta = obj.metadata
-    return Owner(
-        api_version=obj.api_version, kind=obj.kind, name=str(meta["name"]), uid=str(meta.get("uid", ""))
-    )
 
 
 def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkload:
@@ -182,34 +168,6 @@ def build_keys_secret(md: ModelDeployment, keys: KeyFile) -> Obj:
         "type": "Opaque",
         "data": {KEY_FILE_KEY: b64(dump_json(keys))},
     }
-
-
-def build_api_key_secret(tenant: Tenant, secret_name: str, api_key: str) -> Obj:
-    """A generated API key Secret, owned by the tenant. Created once, never overwritten."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name,
-            "namespace": str(tenant.metadata["namespace"]),
-            "labels": {
-                LABEL_MANAGED_BY: MANAGED_BY,
-                LABEL_API_KEY: "true",
-                LABEL_TENANT: str(tenant.metadata["name"]),
-            },
-            "ownerReferences": [owner_of(tenant).reference()],
-        },
-        "type": "Opaque",
-        "data": {API_KEY_DATA_KEY: b64(api_key)},
-    }
-
-
-def api_key_secret_ref(tenant: Tenant) -> tuple[str, str]:
-    """(Secret name, data key) holding the tenant's API key."""
-    ref = tenant.spec.api_key_secret_ref
-    if ref is None:
-        return f"{tenant.metadata['name']}-api-key", API_KEY_DATA_KEY
-    return ref.name, ref.key or API_KEY_DATA_KEY
 
 
 def build_desired_children(

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvfleet_operator.api import ModelDeployment, Tenant
+from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.api.units import parse_duration, parse_quantity
 from kvfleet_operator.build.common import MODEL_MOUNT, NVME_MOUNT, SHARED_POOL
+from kvfleet_operator.build.keys import pool_salt_id, tenant_salt_id
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
     EngineSettings,
@@ -42,9 +43,6 @@ from kvfleet_runtime.kv.sizing import (
 )
 
 DEFAULT_BURST = "50%"
-
-REASON_ADMITTED = "Admitted"
-REASON_QUOTA_EXCEEDS_CAPACITY = "QuotaExceedsCapacity"
 
 
 @dataclass(frozen=True)
@@ -196,7 +194,7 @@ def admit_tenants(capacity: PoolCapacity, tenants: Sequence[Tenant]) -> list[Ten
                 TenantDecision(
                     name=name,
                     admitted=False,
-                    reason=REASON_QUOTA_EXCEEDS_CAPACITY,
+                    reason=reasons.QUOTA_EXCEEDS_CAPACITY,
                     message="; ".join(problems) + ". Nothing was applied for this tenant.",
                     pool=pool,
                 )
@@ -208,7 +206,7 @@ def admit_tenants(capacity: PoolCapacity, tenants: Sequence[Tenant]) -> list[Ten
             TenantDecision(
                 name=name,
                 admitted=True,
-                reason=REASON_ADMITTED,
+                reason=reasons.ADMITTED,
                 message=f"{hbm} guaranteed HBM blocks per replica, burst up to {burst}.",
                 pool=pool,
                 quota=KVQuota(hbm_blocks=hbm, hbm_burst_blocks=burst, cpu_bytes=cpu, nvme_bytes=nvme),
@@ -233,6 +231,8 @@ def build_engine_settings(md: ModelDeployment) -> EngineSettings:
     if engine.max_num_seqs is not None:
         extra += ["--max-num-seqs", str(engine.max_num_seqs)]
     nvme = spec.kv_cache.nvme
+    cpu_bytes = parse_quantity(spec.kv_cache.cpu_size)
+    nvme_bytes = parse_quantity(nvme.size) if nvme is not None else 0
     return EngineSettings(
         model=model_path(md),
         revision=spec.model.revision,
@@ -248,12 +248,15 @@ def build_engine_settings(md: ModelDeployment) -> EngineSettings:
         max_num_batched_tokens=engine.max_num_batched_tokens,
         scheduling_policy=engine.scheduling_policy.value,
         extra_args=extra,
+        # No CPU and no NVMe tier: no LMCache server (the launcher runs one iff this section exists).
         lmcache=LMCacheSettings(
-            cpu_bytes=max(parse_quantity(spec.kv_cache.cpu_size), 1),
-            nvme_bytes=parse_quantity(nvme.size) if nvme is not None else 0,
-            nvme_path=NVME_MOUNT if nvme is not None else None,
+            cpu_bytes=max(cpu_bytes, 1),
+            nvme_bytes=nvme_bytes,
+            nvme_path=NVME_MOUNT if nvme_bytes else None,
             chunk_size=spec.kv_cache.chunk_size,
-        ),
+        )
+        if cpu_bytes or nvme_bytes
+        else None,
     )
 
 
@@ -264,17 +267,6 @@ def _ttls(md: ModelDeployment, tenant: Tenant) -> TierTTLs:
         cpu_seconds=parse_duration(own.cpu or defaults.cpu),
         nvme_seconds=parse_duration(own.nvme or defaults.nvme),
     )
-
-
-def pool_salt_id(md: ModelDeployment) -> str:
-    meta = md.metadata
-    return f"pool:{meta.get('namespace')}/{meta.get('name')}:{meta.get('uid', '')}"
-
-
-def tenant_salt_id(tenant: Tenant) -> str:
-    """A recreated tenant gets a new salt (the uid is part of it), so it never inherits old KV."""
-    meta = tenant.metadata
-    return f"tenant:{meta.get('namespace')}/{meta.get('name')}:{meta.get('uid', '')}"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,16 @@
-"""One idempotent reconcile of a ModelDeployment and all its Tenants: read, build, plan, apply, status.
+"""One idempotent reconcile of a ModelDeployment and all its Tenants, as a list of named steps.
 
-Every kopf handler (create, update, resume, timer, child events, tenant events) ends up here. The
-function is level-triggered: it looks only at the current state of the world, never at what changed.
-A converged ModelDeployment costs reads only; the counter on ``KubeClient`` proves it in tests.
+Every kopf handler (create, update, resume, timer, child events, tenant events) ends up in
+:func:`reconcile_model_deployment`. It is level-triggered: it looks only at the current state of the
+world, never at what changed. A converged ModelDeployment costs reads only; the counter on
+``KubeClient`` proves it in tests.
+
+The reconcile runs :data:`STEPS` in order over one :class:`Cycle` (what this reconcile read and
+decided so far). Each step is small and named for what it does; the steps that touch no API call pure
+functions of ``reconcile/`` and ``build/``, tested without a cluster. A step that finds nothing left to
+do (the ModelDeployment is missing, being deleted or does not parse) ends the work; the status steps
+(:data:`STATUS_STEPS`) always run: status is computed as new objects from what the cycle saw, and written
+only where it differs from the status read.
 
 Partial state is impossible by construction: a tenant that cannot be admitted (quota, missing Secret,
 invalid spec) is left out of the desired state entirely, so nothing of it is applied, and it gets a
@@ -11,48 +19,34 @@ condition that says why.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import logging
-import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from pydantic import ValidationError
+from typing import Any, Final
 
 from kvfleet_operator import metrics
 from kvfleet_operator.api import ModelDeployment, Tenant
-from kvfleet_operator.api.manifest import format_validation_error
-from kvfleet_operator.build.common import (
-    SHARED_POOL,
-    engine_name,
-    gateway_name,
-    owned_selector,
-)
-from kvfleet_operator.build.model_deployment import (
-    PREVIOUS_SUFFIX,
-    OperatorImages,
-    api_key_secret_ref,
+from kvfleet_operator.build.common import SHARED_POOL, owned_selector
+from kvfleet_operator.build.keys import (
+    KeyResolution,
     build_api_key_secret,
-    build_desired_children,
-    compute_endpoint,
+    build_key_file,
+    build_salt_master_secret,
+    derive_salt_key_hex,
+    new_api_key,
+    new_master_key,
+    read_salt_master,
+    resolve_api_key_hashes,
 )
-from kvfleet_operator.build.tenant_table import (
-    PoolCapacity,
-    TenantDecision,
-    admit_tenants,
-    compute_pool_capacity,
-)
+from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children, compute_endpoint
+from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admit_tenants
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, KubeClient
 from kvfleet_operator.reconcile import status as st
-from kvfleet_operator.reconcile.conditions import Condition, failed, merge_conditions, now_rfc3339
-from kvfleet_operator.reconcile.plan import compute_plan
-from kvfleet_runtime.config import KeyFile, hash_api_key
-from kvfleet_runtime.kv.sizing import SizingError
+from kvfleet_operator.reconcile import steps
+from kvfleet_operator.reconcile.conditions import ConditionUpdate, now_rfc3339
+from kvfleet_operator.reconcile.plan import Action, compute_plan
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +56,11 @@ Obj = dict[str, Any]
 @dataclass(frozen=True)
 class OperatorConfig:
     images: OperatorImages
-    #: The operator's master key (from its own Secret); each ModelDeployment's salt key derives from it,
-    #: so a deleted or edited keys Secret is restored with the same salts (no cache flush, no drift).
+    #: The operator's master key (from its own Secret); each ModelDeployment's salt key derives from it
+    #: (``build/keys.py``), so a deleted or edited keys Secret is restored with the same salts.
     salt_master: bytes
     #: Whether the cluster serves monitoring.coreos.com/v1 (checked once at start-up).
     monitoring: bool = False
-
-    def salt_key_hex(self, md: ModelDeployment) -> str:
-        meta = md.metadata
-        ident = f"{meta.get('namespace')}/{meta.get('name')}/{meta.get('uid', '')}"
-        return hmac.new(self.salt_master, ident.encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -80,135 +69,209 @@ class ReconcileResult:
 
     applied: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
-    problem: Condition | None = None
+    #: Why the ModelDeployment cannot be served (invalid spec, pool cannot be sized); ``None`` if it can.
+    problem: ConditionUpdate | None = None
 
 
-def _refers_to(raw_tenant: Obj, model_deployment: str) -> bool:
-    ref = (raw_tenant.get("spec") or {}).get("modelDeploymentRef") or {}
-    return bool(ref.get("name") == model_deployment)
+@dataclass
+class Cycle:
+    """One reconcile of one ModelDeployment: each step reads what the steps before it filled in and adds
+    its part."""
+
+    config: OperatorConfig
+    namespace: str
+    name: str
+    now: str
+    result: ReconcileResult = field(default_factory=ReconcileResult)
+    #: Set by a step that leaves the remaining work steps nothing to do; the status steps still run.
+    finished: bool = False
+    raw_md: Obj | None = None
+    #: The ModelDeployment's tenants as read (not being deleted), by name, in the order listed.
+    raw_tenants: dict[str, Obj] = field(default_factory=dict)
+    secrets: dict[str, Obj] = field(default_factory=dict)
+    md: ModelDeployment | None = None
+    #: Tenants that parse and whose API key resolves (or will be generated once admitted).
+    tenants: list[Tenant] = field(default_factory=list)
+    #: Why a tenant is left out before admission (invalid spec, missing API key Secret).
+    tenant_problems: dict[str, ConditionUpdate] = field(default_factory=dict)
+    keys: dict[str, KeyResolution] = field(default_factory=dict)
+    capacity: PoolCapacity | None = None
+    decisions: list[TenantDecision] = field(default_factory=list)
+    #: The children this ModelDeployment owns, as listed (live status included).
+    children: list[Obj] = field(default_factory=list)
+    desired: list[Obj] | None = None
+    plan: list[Action] = field(default_factory=list)
+    status_writes: list[st.StatusWrite] = field(default_factory=list)
 
 
-def _is_deleting(obj: Obj) -> bool:
-    return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
+Step = Callable[[KubeClient, Cycle], Awaitable[None]]
 
 
-def _decode(secret: Obj, key: str) -> str | None:
-    value = _decode_bytes(secret, key)
-    return value.decode() if value is not None else None
+# --- Steps, in the order they run. -----------------------------------------------------------------
 
 
-async def _resolve_key_hashes(
-    client: KubeClient, tenant: Tenant, secrets_by_name: dict[str, Obj], *, generate: bool
-) -> tuple[list[str] | None, Condition | None, str]:
-    """Hashes of the tenant's valid API keys, a problem, and the Secret's name.
+async def read_model_deployment(client: KubeClient, c: Cycle) -> None:
+    c.raw_md = await client.get(kinds.MODEL_DEPLOYMENT, c.name, c.namespace)
 
-    When the spec references no Secret and the generated one does not exist yet, it is created only with
-    ``generate`` (for admitted tenants); otherwise ``(None, None, name)`` says "generate me".
-    """
-    namespace = str(tenant.metadata["namespace"])
-    secret_name, data_key = api_key_secret_ref(tenant)
-    secret = secrets_by_name.get(secret_name)
-    if secret is None:
-        if tenant.spec.api_key_secret_ref is not None:
-            return (
-                None,
-                Condition(
-                    "Ready",
-                    "False",
-                    st.API_KEY_SECRET_NOT_FOUND,
-                    f"Secret {secret_name!r} named in spec.apiKeySecretRef does not exist in namespace "
-                    f"{namespace!r}; create it with the API key under data key {data_key!r}, or remove "
-                    "spec.apiKeySecretRef to have one generated.",
-                ),
-                secret_name,
-            )
-        if not generate:
-            return None, None, secret_name
-        api_key = "kvf-" + secrets.token_urlsafe(32)  # 256 bits of randomness
+
+async def read_tenants(client: KubeClient, c: Cycle) -> None:
+    c.raw_tenants = steps.select_tenants(await client.list(kinds.TENANT, c.namespace), c.name)
+
+
+async def parse_model_deployment(client: KubeClient, c: Cycle) -> None:
+    """Missing or being deleted: its tenants say so (status steps). Invalid: it says why."""
+    if c.raw_md is None or steps.is_deleting(c.raw_md):
+        c.finished = True
+        return
+    parsed = steps.parse_model_deployment(c.raw_md)
+    if isinstance(parsed, ConditionUpdate):
+        c.result.problem = parsed
+        c.finished = True
+        return
+    c.md = parsed
+
+
+async def read_secrets(client: KubeClient, c: Cycle) -> None:
+    # One LIST instead of a GET per tenant: a ModelDeployment may have hundreds of tenants.
+    if c.raw_tenants:
+        c.secrets = {str(s["metadata"]["name"]): s for s in await client.list(kinds.SECRET, c.namespace)}
+
+
+async def parse_tenants(client: KubeClient, c: Cycle) -> None:
+    c.tenants, problems = steps.parse_tenants(c.raw_tenants)
+    c.tenant_problems |= problems
+
+
+async def resolve_keys(client: KubeClient, c: Cycle) -> None:
+    c.tenants, c.keys, problems = steps.resolve_keys(c.tenants, c.secrets)
+    c.tenant_problems |= problems
+
+
+async def size_pool(client: KubeClient, c: Cycle) -> None:
+    if c.md is None:  # unreachable: parse_model_deployment finishes the cycle without a model
+        return
+    sized = steps.size_pool(c.md)
+    if isinstance(sized, ConditionUpdate):
+        c.result.problem = sized
+    else:
+        c.capacity = sized
+
+
+async def admit(client: KubeClient, c: Cycle) -> None:
+    """First come, first served (``build/tenant_table.py``); no capacity, no admission."""
+    c.decisions = admit_tenants(c.capacity, c.tenants) if c.capacity is not None else []
+
+
+async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
+    """A generated key Secret for each admitted tenant that has none; created once, never overwritten."""
+    by_name = {str(t.metadata["name"]): t for t in c.tenants}
+    for name in steps.keys_to_generate(c.keys, c.decisions):
+        tenant = by_name[name]
+        body = build_api_key_secret(tenant, c.keys[name].secret_name, new_api_key())
         try:
-            secret = await client.apply(
-                kinds.SECRET, build_api_key_secret(tenant, secret_name, api_key), force=False
-            )
+            secret: Obj | None = await client.apply(kinds.SECRET, body, force=False)
         except ApiError as exc:
             if not exc.conflict:
                 raise
-            secret = await client.get(kinds.SECRET, secret_name, namespace)
-    current = _decode(secret or {}, data_key)
-    if not current:
-        return (
-            None,
-            Condition(
-                "Ready",
-                "False",
-                st.API_KEY_SECRET_NOT_FOUND,
-                f"Secret {secret_name!r} has no data key {data_key!r}; put the API key there.",
-            ),
-            secret_name,
-        )
-    hashes = [hash_api_key(current)]
-    previous = _decode(secret or {}, data_key + PREVIOUS_SUFFIX)
-    if previous:
-        hashes.append(hash_api_key(previous))
-    return hashes, None, secret_name
+            secret = await client.get(kinds.SECRET, c.keys[name].secret_name, c.namespace)
+        c.keys[name] = resolve_api_key_hashes(tenant, secret or {})
 
 
-async def load_salt_master(client: KubeClient, ref: str) -> bytes:
-    """The operator's master key from Secret ``namespace/name``; created with 256 random bits if absent.
-
-    Deleting that Secret changes every ModelDeployment's cache salts (a one-off flush of all cached KV).
-    """
-    namespace, _, name = ref.partition("/")
-    data_key = "master-key"
-    secret = await client.get(kinds.SECRET, name, namespace)
-    if secret is None:
-        body = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "labels": {"app.kubernetes.io/name": "kvfleet"},
-            },
-            "type": "Opaque",
-            "data": {data_key: base64.b64encode(secrets.token_bytes(32)).decode()},
-        }
-        secret = await client.apply(kinds.SECRET, body, force=False)
-    value = _decode_bytes(secret, data_key)
-    if value is None or len(value) < 32:
-        raise ValueError(f"Secret {ref} must hold at least 32 bytes under {data_key!r}")
-    return value
+async def read_children(client: KubeClient, c: Cycle) -> None:
+    selector = owned_selector(c.name)
+    for kind in steps.child_kinds(c.config.monitoring):
+        c.children += await client.list(kind, c.namespace, label_selector=selector)
 
 
-def _decode_bytes(secret: Obj, key: str) -> bytes | None:
-    data = secret.get("data") or {}
-    return base64.b64decode(data[key]) if key in data else None
-
-
-def _child_kinds(config: OperatorConfig) -> list[kinds.Kind]:
-    monitor = {kinds.SERVICE_MONITOR, kinds.POD_MONITOR}
-    return [k for k in kinds.CHILD_KINDS if config.monitoring or k not in monitor]
-
-
-async def _write_status(client: KubeClient, kind: kinds.Kind, raw: Obj, desired: Obj) -> None:
-    """Write ``desired`` only if it changes something; an Event when Ready flips or changes reason."""
-    if not st.status_changed(raw.get("status"), desired):
+async def build_desired(client: KubeClient, c: Cycle) -> None:
+    """Without capacity nothing is desired, and nothing is planned: existing children are left alone."""
+    if c.md is None or c.capacity is None:
         return
-    meta = raw["metadata"]
-    try:
-        await client.apply_status(kind, meta["name"], meta.get("namespace"), desired)
-    except ApiError as exc:
-        if exc.not_found:  # deleted meanwhile: nothing to report on
-            return
-        raise
-    event = st.compute_ready_event(
-        raw, (raw.get("status") or {}).get("conditions"), desired.get("conditions")
+    admitted = {d.name for d in c.decisions if d.admitted}
+    keys = build_key_file(derive_salt_key_hex(c.config.salt_master, c.md), steps.key_hashes(c.keys), admitted)
+    c.desired = build_desired_children(
+        c.md, c.capacity, c.tenants, c.decisions, keys, c.config.images, c.config.monitoring
     )
-    if event is not None:
-        await client.create_event(str(meta.get("namespace")), event)
 
 
-def _problem(reason: str, message: str) -> Condition:
-    return Condition("Ready", "False", reason, message)
+async def plan(client: KubeClient, c: Cycle) -> None:
+    if c.desired is not None:
+        c.plan = compute_plan(c.desired, c.children)
+
+
+async def apply(client: KubeClient, c: Cycle) -> None:
+    """Server-side apply of what is missing or differs, in dependency order."""
+    for action in c.plan:
+        if action.verb == "apply" and action.obj is not None:
+            await client.apply(action.kind, action.obj)
+            c.result.applied.append(action.describe())
+
+
+async def prune(client: KubeClient, c: Cycle) -> None:
+    """Delete owned children no longer desired, after the applies, in reverse dependency order."""
+    for action in c.plan:
+        if action.verb == "delete":
+            await client.delete(action.kind, action.name, action.namespace)
+            c.result.deleted.append(action.describe())
+
+
+async def record_gauges(client: KubeClient, c: Cycle) -> None:
+    if c.capacity is not None:
+        _record_gauges(c.namespace, c.name, c.capacity, c.tenants, c.decisions)
+
+
+async def compute_status(client: KubeClient, c: Cycle) -> None:
+    """New status objects from what this cycle read and decided (the objects as read stay untouched)."""
+    if c.md is None or c.raw_md is None:
+        c.status_writes = st.compute_unserved_statuses(
+            c.name, c.raw_md, list(c.raw_tenants.values()), c.result.problem, c.now
+        )
+        return
+    c.status_writes = st.compute_served_statuses(
+        c.raw_md,
+        c.md,
+        c.capacity,
+        c.decisions,
+        c.result.problem,
+        compute_endpoint(c.md, c.config.images),
+        c.children,
+        c.raw_tenants,
+        c.tenants,
+        c.tenant_problems,
+        c.now,
+    )
+
+
+async def write_status(client: KubeClient, c: Cycle) -> None:
+    """Only statuses that change something; an Event when Ready flips or changes reason."""
+    for write in c.status_writes:
+        if write.changed:
+            await _write_status(client, write)
+
+
+#: The work, in order. A step that sets ``Cycle.finished`` ends it.
+STEPS: Final[tuple[Step, ...]] = (
+    read_model_deployment,
+    read_tenants,
+    parse_model_deployment,
+    read_secrets,
+    parse_tenants,
+    resolve_keys,
+    size_pool,
+    admit,
+    generate_api_keys,
+    read_children,
+    build_desired,
+    plan,
+    apply,
+    prune,
+    record_gauges,
+)
+#: Always run after the work, however it ended.
+STATUS_STEPS: Final[tuple[Step, ...]] = (compute_status, write_status)
+
+
+# --- The shell around the steps. --------------------------------------------------------------------
 
 
 async def reconcile_model_deployment(
@@ -228,173 +291,47 @@ async def reconcile_model_deployment(
 async def _reconcile(
     client: KubeClient, config: OperatorConfig, namespace: str, name: str
 ) -> ReconcileResult:
-    result = ReconcileResult()
-    raw_md = await client.get(kinds.MODEL_DEPLOYMENT, name, namespace)
-    now = now_rfc3339()
-    raw_tenants = [
-        t for t in await client.list(kinds.TENANT, namespace) if _refers_to(t, name) and not _is_deleting(t)
-    ]
-    if raw_md is None or _is_deleting(raw_md):
-        await _report_orphans(client, raw_tenants, name, raw_md is not None, now)
-        return result
+    cycle = Cycle(config=config, namespace=namespace, name=name, now=now_rfc3339())
+    for step in STEPS:
+        await step(client, cycle)
+        if cycle.finished:
+            break
+    for step in STATUS_STEPS:
+        await step(client, cycle)
+    return cycle.result
+
+
+async def _write_status(client: KubeClient, write: st.StatusWrite) -> None:
+    meta = write.raw["metadata"]
     try:
-        md = ModelDeployment.model_validate(raw_md)
-    except ValidationError as exc:
-        result.problem = _problem(st.INVALID_SPEC, "; ".join(format_validation_error(exc)))
-        await _write_md_failure(client, raw_md, result.problem, now)
-        return result
-
-    # Tenants: parse, resolve keys, then admit in creation order.
-    tenants: list[Tenant] = []
-    tenant_problems: dict[str, tuple[Condition, str]] = {}
-    key_hashes: dict[str, list[str]] = {}
-    to_generate: list[Tenant] = []
-    raw_by_name = {str(t["metadata"]["name"]): t for t in raw_tenants}
-    # One LIST instead of a GET per tenant: a ModelDeployment may have hundreds of tenants.
-    secrets_by_name = (
-        {str(s["metadata"]["name"]): s for s in await client.list(kinds.SECRET, namespace)}
-        if raw_by_name
-        else {}
+        await client.apply_status(write.kind, meta["name"], meta.get("namespace"), write.status)
+    except ApiError as exc:
+        if exc.not_found:  # deleted meanwhile: nothing to report on
+            return
+        raise
+    event = st.compute_ready_event(
+        write.raw, (write.raw.get("status") or {}).get("conditions"), write.status.get("conditions")
     )
-    for tname, raw in raw_by_name.items():
-        try:
-            tenant = Tenant.model_validate(raw)
-        except ValidationError as exc:
-            tenant_problems[tname] = (_problem(st.INVALID_SPEC, "; ".join(format_validation_error(exc))), "")
-            continue
-        hashes, problem, secret_name = await _resolve_key_hashes(
-            client, tenant, secrets_by_name, generate=False
+    if event is not None:
+        await client.create_event(str(meta.get("namespace")), event)
+
+
+async def load_salt_master(client: KubeClient, ref: str) -> bytes:
+    """The operator's master key from Secret ``namespace/name``; created with 256 random bits if absent.
+
+    Deleting that Secret changes every ModelDeployment's cache salts (a one-off flush of all cached KV).
+    """
+    namespace, _, name = ref.partition("/")
+    secret = await client.get(kinds.SECRET, name, namespace)
+    if secret is None:
+        secret = await client.apply(
+            kinds.SECRET, build_salt_master_secret(namespace, name, new_master_key()), force=False
         )
-        if problem is not None:
-            tenant_problems[tname] = (problem, secret_name)
-            continue
-        tenants.append(tenant)
-        if hashes is None:
-            to_generate.append(tenant)
-        else:
-            key_hashes[tname] = hashes
-
-    try:
-        capacity: PoolCapacity | None = compute_pool_capacity(md)
-    except SizingError as exc:
-        capacity = None
-        result.problem = _problem(st.CAPACITY_UNKNOWN, str(exc))
-    decisions: list[TenantDecision] = admit_tenants(capacity, tenants) if capacity else []
-    # Only admitted tenants get a generated key Secret: a rejected tenant leaves nothing behind.
-    admitted_names = {d.name for d in decisions if d.admitted}
-    for tenant in to_generate:
-        tname = str(tenant.metadata["name"])
-        if tname in admitted_names:
-            hashes, _problem_unused, _name = await _resolve_key_hashes(
-                client, tenant, secrets_by_name, generate=True
-            )
-            if hashes:
-                key_hashes[tname] = hashes
-
-    endpoint = compute_endpoint(md, config.images)
-    child_kinds = _child_kinds(config)
-    selector = owned_selector(name)
-    existing: list[Obj] = []
-    for kind in child_kinds:
-        existing += await client.list(kind, namespace, label_selector=selector)
-
-    if capacity is not None:
-        keys = KeyFile(
-            salt_key_hex=config.salt_key_hex(md),
-            key_hashes={t: h for t, h in sorted(key_hashes.items()) if t in admitted_names},
-        )
-        desired = build_desired_children(
-            md, capacity, tenants, decisions, keys, config.images, config.monitoring
-        )
-        for action in compute_plan(desired, existing):
-            if action.verb == "apply" and action.obj is not None:
-                await client.apply(action.kind, action.obj)
-                result.applied.append(action.describe())
-            else:
-                await client.delete(action.kind, action.name, action.namespace)
-                result.deleted.append(action.describe())
-        _record_gauges(namespace, name, capacity, tenants, decisions)
-
-    # Status, from the live objects read above (the next reconcile sees the effect of this one's writes).
-    live = {(o["kind"], o["metadata"]["name"]): o for o in existing}
-    engines = st.readiness_of(
-        live.get(("StatefulSet", engine_name(name, SHARED_POOL))), md.spec.pool.replicas
-    )
-    gateway = st.readiness_of(live.get(("Deployment", gateway_name(name))), md.spec.gateway.replicas)
-    md_status = st.compute_model_deployment_status(
-        md, capacity, decisions, engines, gateway, endpoint, result.problem, now
-    )
-    await _write_status(client, kinds.MODEL_DEPLOYMENT, raw_md, md_status)
-
-    by_decision = {d.name: d for d in decisions}
-    for tname, raw in raw_by_name.items():
-        problem, secret_name = tenant_problems.get(tname, (None, ""))
-        parsed = next((t for t in tenants if str(t.metadata["name"]) == tname), None)
-        if parsed is None:
-            # Unparseable: write conditions only, through a minimal model of its current status.
-            await _write_status(client, kinds.TENANT, raw, _bare_failure(raw, problem, now))
-            continue
-        tenant = parsed
-        decision = by_decision.get(tname)
-        if problem is None and result.problem is not None:
-            problem = Condition("Ready", "Unknown", st.MODEL_DEPLOYMENT_NOT_READY, result.problem.message)
-        pool_ready = engines.is_ready and gateway.is_ready
-        if decision is not None and decision.pool != SHARED_POOL:
-            pool_ready = (
-                gateway.is_ready
-                and st.readiness_of(
-                    live.get(("StatefulSet", engine_name(name, decision.pool))),
-                    tenant.spec.dedicated.replicas if tenant.spec.dedicated else 1,
-                ).is_ready
-            )
-        secret_name = secret_name or api_key_secret_ref(tenant)[0]
-        tenant_status = st.compute_tenant_status(
-            tenant, decision, capacity, problem, pool_ready, endpoint, secret_name, now
-        )
-        await _write_status(client, kinds.TENANT, raw, tenant_status)
-    return result
-
-
-def _bare_failure(raw: Obj, problem: Condition | None, now: str) -> Obj:
-    current = (raw.get("status") or {}).get("conditions") or []
-    generation = int(raw["metadata"].get("generation", 0))
-    reason, message = (problem.reason, problem.message) if problem else (st.INVALID_SPEC, "Invalid spec.")
-    return {
-        "conditions": merge_conditions(current, failed(reason, message), generation, now),
-        "observedGeneration": generation,
-    }
-
-
-async def _write_md_failure(client: KubeClient, raw_md: Obj, problem: Condition, now: str) -> None:
-    await _write_status(client, kinds.MODEL_DEPLOYMENT, raw_md, _bare_failure(raw_md, problem, now))
-
-
-async def _report_orphans(
-    client: KubeClient, raw_tenants: Sequence[Obj], name: str, deleting: bool, now: str
-) -> None:
-    """Tenants whose ModelDeployment is missing or being deleted get a condition that says so."""
-    for raw in raw_tenants:
-        if deleting:
-            problem = _problem(
-                st.MODEL_DEPLOYMENT_DELETING,
-                f"ModelDeployment {name!r} is being deleted and waits for this tenant: delete the tenant or "
-                "point spec.modelDeploymentRef at another ModelDeployment.",
-            )
-        else:
-            problem = _problem(
-                st.MODEL_DEPLOYMENT_NOT_FOUND,
-                f"ModelDeployment {name!r} does not exist in this namespace; create it or fix "
-                "spec.modelDeploymentRef.name.",
-            )
-        await _write_status(client, kinds.TENANT, raw, _bare_failure(raw, problem, now))
+    return read_salt_master(secret, ref)
 
 
 async def tenants_referencing(client: KubeClient, namespace: str, name: str) -> list[str]:
-    return sorted(
-        str(t["metadata"]["name"])
-        for t in await client.list(kinds.TENANT, namespace)
-        if _refers_to(t, name) and not _is_deleting(t)
-    )
+    return sorted(steps.select_tenants(await client.list(kinds.TENANT, namespace), name))
 
 
 def _record_gauges(

@@ -1,8 +1,9 @@
 """Status conditions, the Kubernetes way. Pure.
 
-Every kvfleet object reports ``Ready``, ``Progressing`` and ``Degraded`` with a machine-readable
-reason, a sentence a human can act on, and the generation they describe. ``lastTransitionTime``
-changes only when a condition's status flips, so re-reconciling a converged object writes nothing.
+Every kvfleet object reports ``Ready``, ``Progressing`` and ``Degraded`` with a machine-readable reason
+(one of ``kvfleet_operator.api.reasons``), a sentence a human can act on, and the generation they
+describe. ``lastTransitionTime`` changes only when a condition's status flips, so re-reconciling a
+converged object writes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
 
 @dataclass(frozen=True)
-class Condition:
+class ConditionUpdate:
+    """What a reconcile wants one condition to say; :func:`merge_conditions` turns it into the wire form
+    (:class:`kvfleet_operator.api.Condition`) with ``observedGeneration`` and ``lastTransitionTime``."""
+
     type: str
     status: Status
     reason: str
@@ -30,7 +34,7 @@ def now_rfc3339() -> str:
 
 def merge_conditions(
     current: Sequence[dict[str, Any]] | None,
-    updates: Sequence[Condition],
+    updates: Sequence[ConditionUpdate],
     generation: int,
     now: str,
 ) -> list[dict[str, Any]]:
@@ -51,26 +55,26 @@ def merge_conditions(
     return sorted(by_type.values(), key=lambda c: (order.get(c["type"], 9), c["type"]))
 
 
-def ready(reason: str, message: str) -> list[Condition]:
+def ready(reason: str, message: str) -> list[ConditionUpdate]:
     return [
-        Condition(READY, "True", reason, message),
-        Condition(PROGRESSING, "False", reason, "Converged."),
-        Condition(DEGRADED, "False", reason, "No problem found."),
+        ConditionUpdate(READY, "True", reason, message),
+        ConditionUpdate(PROGRESSING, "False", reason, "Converged."),
+        ConditionUpdate(DEGRADED, "False", reason, "No problem found."),
     ]
 
 
-def progressing(reason: str, message: str) -> list[Condition]:
+def progressing(reason: str, message: str) -> list[ConditionUpdate]:
     return [
-        Condition(READY, "False", reason, message),
-        Condition(PROGRESSING, "True", reason, message),
-        Condition(DEGRADED, "False", reason, "No problem found."),
+        ConditionUpdate(READY, "False", reason, message),
+        ConditionUpdate(PROGRESSING, "True", reason, message),
+        ConditionUpdate(DEGRADED, "False", reason, "No problem found."),
     ]
 
 
-def failed(reason: str, message: str) -> list[Condition]:
+def failed(reason: str, message: str) -> list[ConditionUpdate]:
     """The spec cannot be served as written; a human must change something."""
     return [
-        Condition(READY, "False", reason, message),
-        Condition(PROGRESSING, "False", reason, "Waiting for the spec to change."),
-        Condition(DEGRADED, "True", reason, message),
+        ConditionUpdate(READY, "False", reason, message),
+        ConditionUpdate(PROGRESSING, "False", reason, "Waiting for the spec to change."),
+        ConditionUpdate(DEGRADED, "True", reason, message),
     ]

@@ -1,13 +1,18 @@
-"""Status of ModelDeployments and Tenants, computed from what the reconcile saw. Pure."""
+"""Status of ModelDeployments and Tenants, computed from what the reconcile saw. Pure.
+
+Every status here is a new object built from the parsed models and the reconcile's decisions, never an
+edit of an object as read: the shell compares it with the status it read (:func:`status_changed`) and
+writes only what changed, so a converged object costs no write.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from kvfleet_operator.api import ModelDeployment, ModelDeploymentStatus, Tenant, TenantStatus
+from kvfleet_operator.api import ModelDeployment, ModelDeploymentStatus, Tenant, TenantStatus, reasons
 from kvfleet_operator.api.modeldeployment import (
     GuaranteeStatus,
     KvCapacityStatus,
@@ -15,23 +20,20 @@ from kvfleet_operator.api.modeldeployment import (
     TieredCapacity,
 )
 from kvfleet_operator.api.tenant import ResolvedQuota
-from kvfleet_operator.build.common import selector_labels
+from kvfleet_operator.build.common import SHARED_POOL, engine_name, gateway_name, selector_labels
+from kvfleet_operator.build.keys import api_key_secret_ref
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision
-from kvfleet_operator.reconcile.conditions import Condition, failed, merge_conditions, progressing, ready
+from kvfleet_operator.k8s import kinds
+from kvfleet_operator.reconcile.conditions import (
+    ConditionUpdate,
+    failed,
+    merge_conditions,
+    progressing,
+    ready,
+)
 from kvfleet_operator.reconcile.plan import is_subset
 
 Obj = dict[str, Any]
-
-# Reasons (one CamelCase word each; docs/operations.md lists what to do about each).
-READY = "Ready"
-WAITING_FOR_REPLICAS = "WaitingForReplicas"
-INVALID_SPEC = "InvalidSpec"
-CAPACITY_UNKNOWN = "CapacityUnknown"
-MODEL_DEPLOYMENT_NOT_FOUND = "ModelDeploymentNotFound"
-MODEL_DEPLOYMENT_NOT_READY = "ModelDeploymentNotReady"
-MODEL_DEPLOYMENT_DELETING = "ModelDeploymentDeleting"
-API_KEY_SECRET_NOT_FOUND = "ApiKeySecretNotFound"  # noqa: S105 - a condition reason
-DELETION_BLOCKED = "DeletionBlockedByTenants"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,44 @@ class WorkloadReadiness:
 def readiness_of(obj: Obj | None, wanted: int) -> WorkloadReadiness:
     ready_replicas = int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
     return WorkloadReadiness(wanted=wanted, ready=ready_replicas)
+
+
+def problem(reason: str, message: str) -> ConditionUpdate:
+    """A problem that keeps an object from being served: ``Ready=False`` with ``reason``."""
+    return ConditionUpdate("Ready", "False", reason, message)
+
+
+def model_deployment_problem_for_tenant(md_problem: ConditionUpdate) -> ConditionUpdate:
+    """What a tenant says while its ModelDeployment cannot be served: ``Ready=Unknown`` (the tenant
+    itself may be fine), with the ModelDeployment's message."""
+    return ConditionUpdate("Ready", "Unknown", reasons.MODEL_DEPLOYMENT_NOT_READY, md_problem.message)
+
+
+def orphan_problem(model_deployment: str, *, deleting: bool) -> ConditionUpdate:
+    """Why a tenant whose ModelDeployment is missing (or being deleted) cannot be served."""
+    if deleting:
+        return problem(
+            reasons.MODEL_DEPLOYMENT_DELETING,
+            f"ModelDeployment {model_deployment!r} is being deleted and waits for this tenant: delete the "
+            "tenant or point spec.modelDeploymentRef at another ModelDeployment.",
+        )
+    return problem(
+        reasons.MODEL_DEPLOYMENT_NOT_FOUND,
+        f"ModelDeployment {model_deployment!r} does not exist in this namespace; create it or fix "
+        "spec.modelDeploymentRef.name.",
+    )
+
+
+def compute_failure_status(raw: Obj, cause: ConditionUpdate | None, now: str) -> Obj:
+    """Conditions and ``observedGeneration`` only, from the object as read (its spec may not even parse):
+    the status of an object the operator cannot serve. Other status fields are left as they are."""
+    current = (raw.get("status") or {}).get("conditions") or []
+    generation = int(raw["metadata"].get("generation", 0))
+    reason, message = (cause.reason, cause.message) if cause else (reasons.INVALID_SPEC, "Invalid spec.")
+    return {
+        "conditions": merge_conditions(current, failed(reason, message), generation, now),
+        "observedGeneration": generation,
+    }
 
 
 def _tier(tokens: int, nbytes: int, blocks: int = 0) -> TierCapacity:
@@ -74,7 +114,7 @@ def compute_model_deployment_status(
     engines: WorkloadReadiness,
     gateway: WorkloadReadiness,
     endpoint: str,
-    problem: Condition | None,
+    problem: ConditionUpdate | None,
     now: str,
 ) -> Obj:
     """The whole status of ``md`` as it goes on the wire (camelCase)."""
@@ -84,10 +124,10 @@ def compute_model_deployment_status(
     if problem is not None:
         updates = failed(problem.reason, problem.message)
     elif engines.is_ready and gateway.is_ready:
-        updates = ready(READY, f"{engines.ready} engine replica(s) and the gateway serve {endpoint}.")
+        updates = ready(reasons.READY, f"{engines.ready} engine replica(s) and the gateway serve {endpoint}.")
     else:
         updates = progressing(
-            WAITING_FOR_REPLICAS,
+            reasons.WAITING_FOR_REPLICAS,
             f"{engines.ready}/{engines.wanted} engine replicas and {gateway.ready}/{gateway.wanted} gateway "
             "replicas are ready.",
         )
@@ -116,7 +156,7 @@ def compute_model_deployment_status(
         status.kv_capacity = KvCapacityStatus(
             per_replica=per_replica, pool=pool, summary=_format_tokens(capacity.hbm_tokens * replicas)
         )
-        shared = [d for d in decisions if d.admitted and d.quota is not None and d.pool == "shared"]
+        shared = [d for d in decisions if d.admitted and d.quota is not None and d.pool == SHARED_POOL]
         hbm_blocks = sum(d.quota.hbm_blocks for d in shared if d.quota)
         share = Fraction(hbm_blocks, capacity.hbm_blocks) if capacity.hbm_blocks else Fraction(0)
         status.guaranteed = GuaranteeStatus(
@@ -133,7 +173,7 @@ def compute_tenant_status(
     tenant: Tenant,
     decision: TenantDecision | None,
     capacity: PoolCapacity | None,
-    problem: Condition | None,
+    problem: ConditionUpdate | None,
     pool_ready: bool,
     endpoint: str,
     api_key_secret: str,
@@ -150,15 +190,15 @@ def compute_tenant_status(
             else failed(problem.reason, problem.message)
         )
     elif decision is None or not decision.admitted:
-        reason = decision.reason if decision else INVALID_SPEC
+        reason = decision.reason if decision else reasons.INVALID_SPEC
         updates = failed(reason, decision.message if decision else "Not admitted.")
     elif pool_ready:
         updates = ready(
-            READY, f"Admitted: {decision.message} Call {endpoint} with the key in {api_key_secret}."
+            reasons.READY, f"Admitted: {decision.message} Call {endpoint} with the key in {api_key_secret}."
         )
     else:
         updates = progressing(
-            MODEL_DEPLOYMENT_NOT_READY, f"Admitted; waiting for its engines. {decision.message}"
+            reasons.MODEL_DEPLOYMENT_NOT_READY, f"Admitted; waiting for its engines. {decision.message}"
         )
     if decision is not None and decision.quota is not None and capacity is not None:
         q = decision.quota
@@ -181,6 +221,120 @@ def compute_tenant_status(
         api_key_secret_name=api_key_secret,
     )
     return status.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+@dataclass(frozen=True)
+class StatusWrite:
+    """One status the reconcile wants on one object; written only if :func:`status_changed` says so."""
+
+    kind: kinds.Kind
+    #: The object as read: its status is what ``status`` is compared with, and it names the object.
+    raw: Obj
+    status: Obj
+
+    @property
+    def changed(self) -> bool:
+        return status_changed(self.raw.get("status"), self.status)
+
+
+def compute_unserved_statuses(
+    model_deployment: str,
+    raw_md: Obj | None,
+    raw_tenants: Sequence[Obj],
+    md_problem: ConditionUpdate | None,
+    now: str,
+) -> list[StatusWrite]:
+    """Statuses when the ModelDeployment is not there to serve: missing or being deleted (each tenant
+    says so), or its spec does not parse (the ModelDeployment says why; its tenants are left alone until
+    it parses)."""
+    if raw_md is None or (raw_md.get("metadata") or {}).get("deletionTimestamp"):
+        cause = orphan_problem(model_deployment, deleting=raw_md is not None)
+        return [
+            StatusWrite(kinds.TENANT, raw, compute_failure_status(raw, cause, now)) for raw in raw_tenants
+        ]
+    return [StatusWrite(kinds.MODEL_DEPLOYMENT, raw_md, compute_failure_status(raw_md, md_problem, now))]
+
+
+def _live(children: Sequence[Obj], kind: str, name: str) -> Obj | None:
+    return next((o for o in children if o["kind"] == kind and o["metadata"]["name"] == name), None)
+
+
+def compute_tenant_pool_ready(
+    md: ModelDeployment,
+    tenant: Tenant,
+    decision: TenantDecision | None,
+    children: Sequence[Obj],
+) -> bool:
+    """Whether the pool that serves ``tenant`` is ready: the gateway, and the shared engines or the
+    tenant's dedicated engines, from the live children's status."""
+    name = str(md.metadata["name"])
+    gateway = readiness_of(_live(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
+    if decision is not None and decision.pool != SHARED_POOL:
+        wanted = tenant.spec.dedicated.replicas if tenant.spec.dedicated else 1
+        engines = readiness_of(_live(children, "StatefulSet", engine_name(name, decision.pool)), wanted)
+    else:
+        engines = readiness_of(
+            _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
+        )
+    return engines.is_ready and gateway.is_ready
+
+
+def compute_served_statuses(
+    raw_md: Obj,
+    md: ModelDeployment,
+    capacity: PoolCapacity | None,
+    decisions: Sequence[TenantDecision],
+    md_problem: ConditionUpdate | None,
+    endpoint: str,
+    children: Sequence[Obj],
+    raw_tenants: Mapping[str, Obj],
+    tenants: Sequence[Tenant],
+    tenant_problems: Mapping[str, ConditionUpdate],
+    now: str,
+) -> list[StatusWrite]:
+    """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
+    ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
+
+    A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
+    every other tenant its full status. While the ModelDeployment has a problem, its tenants wait on it.
+    """
+    name = str(md.metadata["name"])
+    engines = readiness_of(
+        _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
+    )
+    gateway = readiness_of(_live(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
+    writes = [
+        StatusWrite(
+            kinds.MODEL_DEPLOYMENT,
+            raw_md,
+            compute_model_deployment_status(
+                md, capacity, decisions, engines, gateway, endpoint, md_problem, now
+            ),
+        )
+    ]
+    parsed = {str(t.metadata["name"]): t for t in tenants}
+    by_decision = {d.name: d for d in decisions}
+    for tname, raw in raw_tenants.items():
+        tenant = parsed.get(tname)
+        if tenant is None:
+            writes.append(
+                StatusWrite(kinds.TENANT, raw, compute_failure_status(raw, tenant_problems.get(tname), now))
+            )
+            continue
+        decision = by_decision.get(tname)
+        cause = model_deployment_problem_for_tenant(md_problem) if md_problem is not None else None
+        status = compute_tenant_status(
+            tenant,
+            decision,
+            capacity,
+            cause,
+            compute_tenant_pool_ready(md, tenant, decision, children),
+            endpoint,
+            api_key_secret_ref(tenant)[0],
+            now,
+        )
+        writes.append(StatusWrite(kinds.TENANT, raw, status))
+    return writes
 
 
 def _ready(conditions: Sequence[Obj] | None) -> Obj:

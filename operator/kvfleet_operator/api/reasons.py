@@ -1,0 +1,70 @@
+"""Every reason the operator puts on a condition: one CamelCase word a program can match on. Pure.
+
+A reason is part of the API: users and their alerting match on it (``kubectl get tn -o
+jsonpath='{..reason}'``), and every one appears in docs/operations.md ("Conditions and what to do"),
+which a test keeps in step with :data:`CONDITION_REASONS`. Each constant's docstring says what it means
+and what the user does about it. The condition types (``Ready``, ``Progressing``, ``Degraded``) live in
+``kvfleet_operator.reconcile.conditions``.
+
+This module sits in the API layer (it imports nothing) because the builders (admission) and the
+reconcile (status) both set reasons, and the builders may not import the reconcile.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+READY: Final = "Ready"
+"""Serving (both kinds). The ModelDeployment's engines and gateway are ready; for a Tenant, it is admitted
+and its pool is ready. Nothing to do."""
+
+WAITING_FOR_REPLICAS: Final = "WaitingForReplicas"
+"""ModelDeployment: engine or gateway replicas are not ready yet (``Progressing``). Wait; if it persists,
+look at the pods (scheduling, image pulls, model loading)."""
+
+MODEL_DEPLOYMENT_NOT_READY: Final = "ModelDeploymentNotReady"
+"""Tenant: admitted, but its pool is still starting, or the ModelDeployment cannot be served yet (the
+message says which; ``Ready=Unknown`` in the latter case). Wait, or fix the ModelDeployment's problem."""
+
+QUOTA_EXCEEDS_CAPACITY: Final = "QuotaExceedsCapacity"
+"""Tenant: its guarantee does not fit the pool next to the tenants admitted before it, or exceeds its own
+burst limit; the message has the numbers and nothing of the tenant is applied. Lower ``spec.kvQuota``,
+raise ``spec.burstLimit``, or add capacity."""
+
+API_KEY_SECRET_NOT_FOUND: Final = "ApiKeySecretNotFound"  # noqa: S105 - a condition reason, not a secret
+"""Tenant: ``spec.apiKeySecretRef`` names a Secret that does not exist, or a data key it lacks. Create the
+Secret (or the key), or remove ``spec.apiKeySecretRef`` to have one generated."""
+
+MODEL_DEPLOYMENT_NOT_FOUND: Final = "ModelDeploymentNotFound"
+"""Tenant: ``spec.modelDeploymentRef`` names no ModelDeployment in the tenant's namespace. Fix the name
+or create the ModelDeployment."""
+
+MODEL_DEPLOYMENT_DELETING: Final = "ModelDeploymentDeleting"
+"""Tenant: its ModelDeployment is being deleted and waits for its tenants (a finalizer holds it). Delete
+the tenant or point ``spec.modelDeploymentRef`` at another ModelDeployment."""
+
+CAPACITY_UNKNOWN: Final = "CapacityUnknown"
+"""ModelDeployment: the pool cannot be sized (the model does not fit, no ``spec.pool.gpuMemory``, an
+architecture ``fromConfig``), so no tenant can be admitted. Follow the message; ``kvfleet plan``
+reproduces it."""
+
+INVALID_SPEC: Final = "InvalidSpec"
+"""Both kinds: the API server accepted a spec the operator cannot serve (the message names the fields).
+Follow the message."""
+
+#: Every reason that can appear on a condition, in the order docs/operations.md lists them.
+CONDITION_REASONS: Final = (
+    READY,
+    WAITING_FOR_REPLICAS,
+    MODEL_DEPLOYMENT_NOT_READY,
+    QUOTA_EXCEEDS_CAPACITY,
+    API_KEY_SECRET_NOT_FOUND,
+    MODEL_DEPLOYMENT_NOT_FOUND,
+    MODEL_DEPLOYMENT_DELETING,
+    CAPACITY_UNKNOWN,
+    INVALID_SPEC,
+)
+
+ADMITTED: Final = "Admitted"
+"""The reason of an admission decision that admits a tenant. Never on a condition: an admitted tenant's
+conditions say ``Ready`` or ``ModelDeploymentNotReady`` (whether its pool is ready)."""

@@ -1,0 +1,120 @@
+"""The reconcile's decisions between reading the world and building the desired state. Pure.
+
+``handlers/reconcile.py`` runs the reconcile as a list of named steps; the steps that touch no API call
+these functions (and ``build``'s admission and builders, ``plan.compute_plan`` and ``status``), so each
+decision is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvfleet_operator.api import ModelDeployment, Tenant, reasons
+from kvfleet_operator.api.manifest import format_validation_error
+from kvfleet_operator.build.keys import KeyResolution, api_key_secret_ref, resolve_api_key_hashes
+from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, compute_pool_capacity
+from kvfleet_operator.k8s import kinds
+from kvfleet_operator.reconcile.conditions import ConditionUpdate
+from kvfleet_operator.reconcile.status import problem
+from kvfleet_runtime.kv.sizing import SizingError
+
+Obj = dict[str, Any]
+
+
+def refers_to(raw_tenant: Mapping[str, Any], model_deployment: str) -> bool:
+    """Whether the tenant's ``spec.modelDeploymentRef`` names ``model_deployment``."""
+    ref = (raw_tenant.get("spec") or {}).get("modelDeploymentRef") or {}
+    return bool(ref.get("name") == model_deployment)
+
+
+def is_deleting(obj: Mapping[str, Any]) -> bool:
+    return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def select_tenants(raw_tenants: Iterable[Obj], model_deployment: str) -> dict[str, Obj]:
+    """The tenants of ``model_deployment`` that are not being deleted, by name, in the order listed."""
+    return {
+        str(t["metadata"]["name"]): t
+        for t in raw_tenants
+        if refers_to(t, model_deployment) and not is_deleting(t)
+    }
+
+
+def _invalid(error: ValidationError) -> ConditionUpdate:
+    return problem(reasons.INVALID_SPEC, "; ".join(format_validation_error(error)))
+
+
+def parse_model_deployment(raw: Obj) -> ModelDeployment | ConditionUpdate:
+    """The parsed ModelDeployment, or ``InvalidSpec`` naming every offending field."""
+    try:
+        return ModelDeployment.model_validate(raw)
+    except ValidationError as error:
+        return _invalid(error)
+
+
+def parse_tenants(raw_tenants: Mapping[str, Obj]) -> tuple[list[Tenant], dict[str, ConditionUpdate]]:
+    """The tenants that parse, in order, and ``InvalidSpec`` (naming the fields) for each that does not."""
+    tenants: list[Tenant] = []
+    problems: dict[str, ConditionUpdate] = {}
+    for name, raw in raw_tenants.items():
+        try:
+            tenants.append(Tenant.model_validate(raw))
+        except ValidationError as error:
+            problems[name] = _invalid(error)
+    return tenants, problems
+
+
+def resolve_keys(
+    tenants: Sequence[Tenant], secrets: Mapping[str, Obj]
+) -> tuple[list[Tenant], dict[str, KeyResolution], dict[str, ConditionUpdate]]:
+    """Each tenant's API keys from the namespace's Secrets (by name).
+
+    Returns the tenants that may go on to admission (their keys resolve, or will be generated once they
+    are admitted), every tenant's resolution, and ``ApiKeySecretNotFound`` for each tenant whose Secret
+    named in ``spec.apiKeySecretRef`` (or its data key) is missing: such a tenant is not admitted.
+    """
+    usable: list[Tenant] = []
+    resolutions: dict[str, KeyResolution] = {}
+    problems: dict[str, ConditionUpdate] = {}
+    for tenant in tenants:
+        name = str(tenant.metadata["name"])
+        resolution = resolve_api_key_hashes(tenant, secrets.get(api_key_secret_ref(tenant)[0]))
+        resolutions[name] = resolution
+        if resolution.missing is not None:
+            problems[name] = problem(reasons.API_KEY_SECRET_NOT_FOUND, resolution.missing)
+        else:
+            usable.append(tenant)
+    return usable, resolutions, problems
+
+
+def size_pool(md: ModelDeployment) -> PoolCapacity | ConditionUpdate:
+    """The pool's per-replica capacity, or ``CapacityUnknown`` saying why it cannot be sized."""
+    try:
+        return compute_pool_capacity(md)
+    except SizingError as error:
+        return problem(reasons.CAPACITY_UNKNOWN, str(error))
+
+
+def keys_to_generate(
+    resolutions: Mapping[str, KeyResolution], decisions: Sequence[TenantDecision]
+) -> list[str]:
+    """Tenants that get a generated API key Secret: admitted ones without a Secret. A rejected tenant
+    leaves nothing behind."""
+    return [
+        d.name for d in decisions if d.admitted and d.name in resolutions and resolutions[d.name].generate
+    ]
+
+
+def key_hashes(resolutions: Mapping[str, KeyResolution]) -> dict[str, tuple[str, ...]]:
+    """Tenant name -> hashes of its valid API keys, for the tenants whose keys resolved."""
+    return {name: r.hashes for name, r in resolutions.items() if r.hashes}
+
+
+def child_kinds(monitoring: bool) -> list[kinds.Kind]:
+    """The kinds of children to list (and so to plan against): the monitoring kinds only when the
+    cluster serves them."""
+    monitor = {kinds.SERVICE_MONITOR, kinds.POD_MONITOR}
+    return [k for k in kinds.CHILD_KINDS if monitoring or k not in monitor]
