@@ -22,7 +22,7 @@ lint: venv ## ruff, mypy --strict and the import contracts (lint-imports).
 unit: venv ## Only the unit tests (fast).
 	@.venv/bin/pytest -m unit
 
-crds: venv ## Regenerate crds/ from the pydantic models.
-	@.venv/bin/python -m kvfleet_operator.api.crdgen crds
+generate: venv ## Regenerate CRDs and their chart copies, the chart README, dashboards, alert rules and docs/crd-reference.md.
+	@PYTHONPATH=dashboards .venv/bin/python hack/generate.py
 
-.PHONY: help demo demo-stop test venv lint unit crds
+.PHONY: help demo demo-stop test venv lint unit generate

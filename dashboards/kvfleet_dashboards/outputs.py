@@ -1,35 +1,29 @@
-"""Every generated artefact, as {path: content}: one pure function the generator writes and tests compare."""
+"""The dashboards' and alert rules' generated files, as {path relative to the repository root: content}.
+
+One pure function; ``make generate`` (hack/generate.py) writes its result, adds the chart's copies
+(hack/chartgen.py decides where the chart keeps them) and checks that nothing committed has drifted.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import PurePosixPath
 
-from kvfleet_dashboards import alerts, chart
+from kvfleet_dashboards import alerts
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS, render_dashboard
 
-DASHBOARDS_DIR = chart.REPO / "dashboards"
+DASHBOARDS_DIR = PurePosixPath("dashboards")
+DASHBOARD_JSON_DIR = DASHBOARDS_DIR / "json"
+RULES_FILE = DASHBOARDS_DIR / "rules" / "kvfleet-alerts.yaml"
 
 
 def dashboard_file_name(uid: str) -> str:
     return uid.removeprefix("kvfleet-") + ".json"
 
 
-def build_outputs() -> dict[Path, str]:
-    """Dashboard JSON (dashboards/json and the chart's copy), alert rules (both), CRD templates, README."""
-    out: dict[Path, str] = {}
-    for spec in ALL_DASHBOARDS:
-        text = render_dashboard(spec)
-        name = dashboard_file_name(spec.uid)
-        out[DASHBOARDS_DIR / "json" / name] = text
-        out[chart.CHART / "files" / "dashboards" / name] = text
-    rules = alerts.render_rules()
-    out[DASHBOARDS_DIR / "rules" / "kvfleet-alerts.yaml"] = rules
-    out[chart.CHART / "files" / "prometheus-rules.yaml"] = rules
-    out.update(chart.crd_templates())
-    out[chart.CHART / "README.md"] = chart.chart_readme()
+def build_outputs() -> dict[PurePosixPath, str]:
+    """Every dashboard's JSON (dashboards/json/<uid without kvfleet->.json) and the alert rules."""
+    out = {
+        DASHBOARD_JSON_DIR / dashboard_file_name(spec.uid): render_dashboard(spec) for spec in ALL_DASHBOARDS
+    }
+    out[RULES_FILE] = alerts.render_rules()
     return out
-
-
-def stale_outputs() -> list[Path]:
-    """Generated files whose committed content differs from what the code generates now."""
-    return [p for p, text in build_outputs().items() if not p.is_file() or p.read_text() != text]

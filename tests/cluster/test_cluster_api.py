@@ -56,7 +56,7 @@ DEDICATED_WITHOUT_GROUP: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def crds(api_cluster: ControlPlane) -> list[str]:
     if len(crd_files()) == 0:
-        pytest.fail("crds/ holds no YAML files: generate them with `make crds`", pytrace=False)
+        pytest.fail("crds/ holds no YAML files: generate them with `make generate`", pytrace=False)
     return apply_crds(api_cluster)
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from chartgen import parse_values_docs
 from devcluster import find_binary
-from kvfleet_dashboards.chart import parse_values_docs
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS
 
 from conftest import missing_component

@@ -7,7 +7,8 @@ Public names:
 * parsing: :func:`parse_manifest` (dict -> model, with the update check when ``old`` is given;
   raises :class:`ManifestError` naming the fields), :func:`parse_quantity` (``256Gi`` -> bytes),
   :func:`parse_duration` (``10m`` -> seconds), :func:`parse_percent` (``50%`` -> 0.5);
-* CRD generation: :mod:`kvfleet_operator.api.crdgen` (``build_crds``, ``build_crd_reference``, ``main``).
+* CRD generation: :mod:`kvfleet_operator.api.crdgen` (``build_crds``, ``build_crd_reference``;
+  ``make generate`` writes them).
 
 The table of invalid manifests every admission path must reject is test data: ``tests/invalid_manifests.py``.
 """
