@@ -1,8 +1,8 @@
 """pytest plugin: the real local control plane and Prometheus as fixtures.
 
 Registered from ``tests/conftest.py`` (``pytest_plugins``). Binaries come from ``hack/build-cluster.sh``
-(see ``hack/devcluster``); when one is missing the fixture calls ``missing_component`` (skip outside CI,
-fail with ``CI=true``).
+(see ``hack/devcluster``); when one is missing the fixture calls ``missing_component`` (fails naming it;
+skips only with ``KVFLEET_ALLOW_MISSING=1``).
 
 * ``api_cluster`` (session): etcd + kube-apiserver. ``full_cluster`` (session): plus controller manager,
   scheduler and kwok with the fake GPU nodes of ``DEFAULT_LAYOUT``. Both return the same

