@@ -25,4 +25,7 @@ unit: venv ## Only the unit tests, no provisioning; a test whose real component 
 generate: venv ## Regenerate CRDs and their chart copies, the chart README, dashboards, alert rules and docs/crd-reference.md.
 	@PYTHONPATH=dashboards .venv/bin/python hack/generate.py
 
-.PHONY: help demo demo-stop test venv lint unit generate
+bench-docs: venv ## Regenerate docs/benchmarks.md's tables from the results files in benchmarks/results/.
+	@.venv/bin/python benchmarks/report.py
+
+.PHONY: help demo demo-stop test venv lint unit generate bench-docs
