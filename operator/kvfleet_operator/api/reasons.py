@@ -23,8 +23,8 @@ WAITING_FOR_REPLICAS: Final = "WaitingForReplicas"
 look at the pods (scheduling, image pulls, model loading)."""
 
 MODEL_DEPLOYMENT_NOT_READY: Final = "ModelDeploymentNotReady"
-"""Tenant: admitted, but its pool is still starting, or the ModelDeployment cannot be served yet (the
-message says which; ``Ready=Unknown`` in the latter case). Wait, or fix the ModelDeployment's problem."""
+"""Tenant (``Progressing``): admitted, but its pool is still starting; or its ModelDeployment cannot be
+served yet, and the message is the ModelDeployment's. Wait, or fix the ModelDeployment's problem."""
 
 QUOTA_EXCEEDS_CAPACITY: Final = "QuotaExceedsCapacity"
 """Tenant: its guarantee does not fit the pool next to the tenants admitted before it, or exceeds its own

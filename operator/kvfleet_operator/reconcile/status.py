@@ -59,8 +59,10 @@ def problem(reason: str, message: str) -> ConditionUpdate:
 
 
 def model_deployment_problem_for_tenant(md_problem: ConditionUpdate) -> ConditionUpdate:
-    """What a tenant says while its ModelDeployment cannot be served: ``Ready=Unknown`` (the tenant
-    itself may be fine), with the ModelDeployment's message."""
+    """What a tenant says while its ModelDeployment cannot be served, with the ModelDeployment's message.
+
+    Its status ``Unknown`` (the tenant itself may be fine) makes :func:`compute_tenant_status` report
+    progress (``Ready=False``, ``Progressing=True``) rather than a failure of the tenant."""
     return ConditionUpdate("Ready", "Unknown", reasons.MODEL_DEPLOYMENT_NOT_READY, md_problem.message)
 
 
