@@ -1,0 +1,786 @@
+"""Render docs/benchmarks.md's tables from the results files in ``benchmarks/results/``.
+
+The prose of docs/benchmarks.md is hand-written; every table of figures sits between two marker comments,
+``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``, and is generated: ``BLOCKS[NAME]`` names the
+results files it reads and the function that lays them out (the same columns and wording the page had
+when it was typed by hand), followed by a line saying where the figures come from.
+
+    .venv/bin/python benchmarks/report.py            # rewrite the generated blocks (make bench-docs)
+    .venv/bin/python benchmarks/report.py --check    # exit 1 and say why when the page and files disagree
+
+``--check`` fails when a block differs from what its files render, a block names an unknown table, a
+results file is used by no block on the page, or a table of figures on the page lies outside every block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from results_format import REPO, RESULTS_DIR, Figure, Results, load_all
+
+DOC = REPO / "docs" / "benchmarks.md"
+BLOCK_RE = re.compile(
+    r"<!-- results:(?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)\n?<!-- /results:(?P=name) -->", re.DOTALL
+)
+FENCE_RE = re.compile(r"^```")
+MINUS = "\u2212"
+
+Files = Mapping[str, Results]
+
+
+# --- number formats (one place, so every table writes a figure the same way) ---------------------------
+
+
+def _signed(text: str) -> str:
+    return text.replace("-", MINUS)
+
+
+def num(x: float, digits: int = 0) -> str:
+    """``x`` with thousands separators and ``digits`` decimals; a typographic minus."""
+    return _signed(f"{x:,.{digits}f}")
+
+
+def sig3(x: float) -> str:
+    """About three significant digits: 1.23, 12.3, 123, 1,234."""
+    return num(x, 2 if abs(x) < 10 else 1 if abs(x) < 100 else 0)
+
+
+def ms2(x: float) -> str:
+    """Milliseconds with two decimals below 100 ms, whole above."""
+    return num(x, 2 if abs(x) < 100 else 0)
+
+
+def short(x: float) -> str:
+    """Whole numbers without decimals, others with one: 82, 12.6."""
+    return num(x, 0) if x == round(x) else num(x, 1)
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return num(x, digits) + "%"
+
+
+def median(fig: Figure) -> float:
+    if fig.median is None:
+        raise ValueError(f"figure has no median: {fig}")
+    return fig.median
+
+
+def spread(fig: Figure, fmt: Callable[[float], str], sep: str = "\u2013") -> str:
+    """``median [min<sep>max]``; just the median when the runs did not differ or their range is unknown;
+    ``min to max`` when only the range is known."""
+    if fig.median is None:
+        assert fig.min is not None and fig.max is not None  # enforced by Figure's validator
+        return f"{fmt(fig.min)} to {fmt(fig.max)}"
+    if fig.min is None or fig.max is None or fig.min == fig.max:
+        return fmt(fig.median)
+    return f"{fmt(fig.median)} [{fmt(fig.min)}{sep}{fmt(fig.max)}]"
+
+
+def with_note(text: str, fig: Figure) -> str:
+    return f"{text} ({fig.note})" if fig.note else text
+
+
+def relative(mix: float, alone: float) -> str:
+    return pct(100 * (mix - alone) / alone) if alone else "n/a"
+
+
+def duration(seconds: float) -> str:
+    """``2 min 26 s``, or ``48 s`` below a minute."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def detail(r: Results, key: str) -> object:
+    try:
+        return r.details[key]
+    except KeyError:
+        raise KeyError(f"{r.name}: no detail {key!r}") from None
+
+
+def detail_int(r: Results, key: str) -> int:
+    value = detail(r, key)
+    if not isinstance(value, int | float):
+        raise TypeError(f"{r.name}: detail {key!r} is not a number: {value!r}")
+    return int(value)
+
+
+def detail_float(r: Results, key: str) -> float:
+    value = detail(r, key)
+    if not isinstance(value, int | float):
+        raise TypeError(f"{r.name}: detail {key!r} is not a number: {value!r}")
+    return float(value)
+
+
+def provenance(results: list[Results]) -> str:
+    """The line under every generated table: which files, measured when and on what machine, and whether
+    they were measured by their command or migrated from an earlier session; files alike share a clause."""
+    groups: dict[tuple[bool, str, int, str], list[str]] = {}
+    for r in results:
+        key = (r.migrated, r.date.isoformat(), r.machine.cores, r.machine.load)
+        groups.setdefault(key, []).append(f"`benchmarks/results/{r.name}.json`")
+    clauses = []
+    for (migrated, date, cores, load), files in groups.items():
+        how = f"measured in an earlier session on {date}, migrated" if migrated else f"measured on {date}"
+        clauses.append(f"{', '.join(files)} ({how}; {cores} cores, {load})")
+    return "Results: " + "; ".join(clauses) + "."
+
+
+# --- control plane --------------------------------------------------------------------------------------
+
+BUILD_PARTS = {"etcd": "etcd", "kubernetes": "the four Kubernetes binaries", "kwok": "kwok", "helm": "helm"}
+
+
+def _runs_suffix(fig: Figure) -> str:
+    return f", median of {fig.runs}" if fig.runs > 1 else ""
+
+
+def _min_max(fig: Figure, fmt: Callable[[float], str]) -> str:
+    if fig.median is None or fig.min is None or fig.max is None or fig.runs == 1:
+        return spread(fig, fmt)
+    return f"{fmt(fig.median)} s (min {fmt(fig.min)}, max {fmt(fig.max)})"
+
+
+def render_control_plane(f: Files) -> str:
+    cold, warm, relink = f["build_cluster_cold"], f["build_cluster_warm"], f["build_cluster_relink"]
+    api, full, smoke = f["control_plane_start_api"], f["control_plane_start_full"], f["cluster_smoke"]
+    wall = cold.figure("wall")
+    cold_text = f"{num(median(wall))} s ({median(wall) / 60:.0f} min)"
+    parts = [
+        f"{label} {num(median(cold.figures[k]))} s" for k, label in BUILD_PARTS.items() if k in cold.figures
+    ]
+    if parts:
+        cold_text += ": " + ", ".join(parts)
+    if "prometheus_apt" in cold.figures:
+        cold_text += (
+            f"; plus {num(median(cold.figures['prometheus_apt']))} s for `apt-get install prometheus`"
+        )
+    w = warm.figure("wall")
+    warm_text = f"{num(median(w), 1)} s"
+    if w.values:
+        warm_text += " (" + ", ".join(num(v, 2) for v in w.values) + ")"
+    elif w.runs > 1:
+        warm_text = _min_max(w, lambda x: num(x, 2))
+    api_start = api.figure("start")
+    api_text = _min_max(api_start, lambda x: num(x, 2))
+    if "earlier_series" in api.figures:
+        earlier = api.figures["earlier_series"]
+        api_text += f"; {earlier.note or 'an earlier series'}: {num(median(earlier), 2)} s"
+    full_start = full.figure("start")
+    extend = full.figure("extend_to_full")
+    extend_text = _min_max(extend, lambda x: num(x, 1))
+    extend_text = with_note(extend_text + (" s" if extend.median is None else ""), extend)
+    smoke_what = "cluster smoke tests"
+    if "tests" in smoke.details:
+        smoke_what += (
+            f" ({detail_int(smoke, 'tests')} tests, one api+full plane, one extra api start, one Prometheus)"
+        )
+    rows = [
+        ["cold build, empty Go module and build caches", f"`{cold.command}`", cold_text],
+        [f"warm build (nothing to do){_runs_suffix(w)}", f"`{warm.command}`", warm_text],
+        [
+            "relink after an ldflags change (compile cache warm)",
+            f"`{relink.command}`",
+            with_note(f"{num(median(relink.figure('wall')))} s", relink.figure("wall")),
+        ],
+        [f"`api` tier start to `/readyz`{_runs_suffix(api_start)}", f"`{api.command}`", api_text],
+        [
+            f"`full` tier start (nodes Ready, default service account){_runs_suffix(full_start)}",
+            f"`{full.command}`",
+            _min_max(full_start, lambda x: num(x, 2)),
+        ],
+        ["extending a running `api` tier to `full`", f"`{full.command}`", extend_text],
+        [smoke_what, f"`{smoke.command}`", f"{num(median(smoke.figure('wall')))} s"],
+    ]
+    return table(["what", "command", "result"], rows)
+
+
+# --- simulator ------------------------------------------------------------------------------------------
+
+SIM_CONFIGS = {
+    "lru": "lru (prefix caching only)",
+    "lmcache": "lmcache (CPU+NVMe per replica, LRU)",
+    "distributed": "distributed (shared CPU+NVMe, LRU)",
+    "kvfleet-local": "kvfleet-local (policy core, per-replica CPU+NVMe)",
+    "kvfleet": "kvfleet (policy core, shared CPU+NVMe)",
+}
+
+
+def _str_list(r: Results, key: str) -> list[str]:
+    value = detail(r, key)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{r.name}: detail {key!r} is not a list of names: {value!r}")
+    return [str(v) for v in value]
+
+
+def _published(r: Results, config: str) -> str:
+    published = r.details.get("published_recompute_pct")
+    value = published.get(config) if isinstance(published, dict) else None
+    return f"{value:g}%" if isinstance(value, int | float) else "\u2014"
+
+
+def _sim_spread(fig: Figure) -> str:
+    """``37.7% [37.5-38.7]`` over several seeds (the range even when it is empty), ``37.7%`` over one."""
+    if fig.runs == 1 or fig.min is None or fig.max is None:
+        return pct(median(fig))
+    return f"{pct(median(fig))} [{num(fig.min, 1)}-{num(fig.max, 1)}]"
+
+
+def render_simulate_rag(f: Files) -> str:
+    r = f["simulate_rag"]
+    seeds = detail_int(r, "seeds")
+    head = (
+        f"{num(detail_int(r, 'sessions'))} sessions, {num(detail_float(r, 'duration_s'))} s of traffic, "
+        f"first {num(detail_float(r, 'warmup_s'))} s not measured, seeds 0-{seeds - 1}, median [min-max]:"
+    )
+    rows = [
+        [
+            SIM_CONFIGS.get(c, c),
+            _sim_spread(r.figure(f"{c}.recompute")),
+            _published(r, c),
+            _sim_spread(r.figure(f"{c}.hit")),
+            f"{num(median(r.figure(f'{c}.ttft_p50')))} / {num(median(r.figure(f'{c}.ttft_p99')))} ms",
+        ]
+        for c in _str_list(r, "configs")
+    ]
+    header = ["config", "recompute", "published", "prefix hit rate", "TTFT p50 / p99 (est.)"]
+    cpu, wall = median(r.figure("cpu_time")), median(r.figure("wall_time"))
+    tail = f"The run took {duration(cpu)} of CPU ({duration(wall)} of wall time on the machine below)."
+    return f"{head}\n\n{table(header, rows)}\n\n{tail}"
+
+
+def _mix_vs_alone(r: Results, config: str, tenant: str) -> str:
+    mix, alone = median(r.figure(f"{config}.mix.{tenant}")), median(r.figure(f"{config}.alone.{tenant}"))
+    return f"{pct(mix)} vs {pct(alone)} ({relative(mix, alone)})"
+
+
+def render_simulate_rag_tenants(f: Files) -> str:
+    r = f["simulate_rag"]
+    tenants = _str_list(r, "tenants")
+    alone_seeds = detail_int(r, "alone_seeds")
+    seeds = "seed 0" if alone_seeds == 1 else f"seeds 0-{alone_seeds - 1}, median"
+    head = (
+        "Each tenant's prefix hit rate in the mix vs alone (its own sessions only, same fleet and "
+        f"configuration, {seeds}):"
+    )
+    rows = [[c, *(_mix_vs_alone(r, c, t) for t in tenants)] for c in _str_list(r, "configs")]
+    return f"{head}\n\n{table(['config', *tenants], rows)}"
+
+
+def render_simulate_rag_1800(f: Files) -> str:
+    r = f["simulate_rag_1800"]
+    tenants = _str_list(r, "tenants")
+    rows = [
+        [
+            c,
+            pct(median(r.figure(f"{c}.recompute"))),
+            pct(median(r.figure(f"{c}.hit"))),
+            *(_mix_vs_alone(r, c, t) for t in tenants),
+        ]
+        for c in _str_list(r, "configs")
+    ]
+    header = ["config", "recompute", "prefix hit rate", *(f"{t} mix vs alone" for t in tenants)]
+    return table(header, rows)
+
+
+def render_simulate_noisy_neighbour(f: Files) -> str:
+    r = f["simulate_noisy_neighbour"]
+    quiet = _str_list(r, "quiet_tenants")
+    header = ["config"]
+    for t in quiet:
+        header += [f"{t} with flood", f"{t} alone"]
+    rows = []
+    for c in _str_list(r, "configs"):
+        row = [c]
+        for t in quiet:
+            row += [_sim_spread(r.figure(f"{c}.with_flood.{t}")), pct(median(r.figure(f"{c}.alone.{t}")))]
+        rows.append(row)
+    return table(header, rows)
+
+
+# --- engine ---------------------------------------------------------------------------------------------
+
+
+def _range_s(fig: Figure) -> str:
+    if fig.min is not None and fig.max is not None and fig.min != fig.max:
+        return f"{short(fig.min)}\u2013{short(fig.max)} s"
+    return f"{short(median(fig))} s"
+
+
+def render_engine_startup(f: Files) -> str:
+    r = f["engine_startup"]
+    vllm = with_note(_range_s(r.figure("vllm_eager")), r.figure("vllm_eager"))
+    if "vllm_all_starts" in r.figures:
+        every = r.figures["vllm_all_starts"]
+        vllm += f"; {_range_s(every)} {every.note}".rstrip()
+    rows = [
+        ["LMCache server", with_note(_range_s(r.figure("lmcache_server")), r.figure("lmcache_server"))],
+        ["vLLM with `--enforce-eager`", vllm],
+    ]
+    if "compile_cold" in r.figures and "compile_warm" in r.figures:
+        rows.append(
+            [
+                "vLLM without `--enforce-eager`: torch.compile warm-up on top",
+                f"about {num(median(r.figures['compile_cold']))} s on a cold compile cache, "
+                f"still about {num(median(r.figures['compile_warm']))} s on a warm one",
+            ]
+        )
+    return table(["process", "start-up (process start to the first `200` of its health URL)"], rows)
+
+
+RESTORE_STATES = {
+    "cold": "cold (full prefill)",
+    "hbm": "vLLM prefix cache (HBM tier)",
+    "cpu": "LMCache L1 (CPU), after vLLM evicted it",
+    "nvme": "LMCache L2 (disk), after L1 was cleared",
+}
+
+
+def render_engine_restore(f: Files) -> str:
+    r = f["engine_restore"]
+    rows = [
+        [
+            label,
+            str(r.figure(f"{s}.ttft_p50").runs),
+            num(median(r.figure(f"{s}.ttft_p50"))),
+            num(median(r.figure(f"{s}.ttft_mean"))),
+            pct(median(r.figure(f"{s}.cached"))),
+        ]
+        for s, label in RESTORE_STATES.items()
+        if f"{s}.ttft_p50" in r.figures
+    ]
+    return table(["KV source", "n", "TTFT p50 (ms)", "TTFT mean (ms)", "cached tokens"], rows)
+
+
+# --- gateway --------------------------------------------------------------------------------------------
+
+PROXIES = {"kvfleet": "kvfleet gateway", "vllm-router": "vllm-router", "litellm": "LiteLLM proxy"}
+
+
+def _max_rate(r: Results, proxy: str) -> str:
+    fig = r.figure(f"{proxy}.max_rate")
+    if median(fig) > 0:
+        return with_note(num(median(fig)), fig)
+    rates = detail(r, "sweep_rates")
+    lowest = min(rates) if isinstance(rates, list) and rates else None
+    below = f"< {lowest:g}" if isinstance(lowest, int | float) else "below every swept rate"
+    return f"{below} ({fig.note or 'none of the swept rates'})"
+
+
+def render_gateway(f: Files, name: str) -> str:
+    r = f[name]
+    rate, repeats = detail_float(r, "rate"), detail_int(r, "repeats")
+    bound = detail_float(r, "max_p99_overhead_ms")
+    header = [
+        "proxy",
+        f"added p50 at {rate:g} req/s (ms), median [min\u2013max] of {repeats}",
+        f"added p99 at {rate:g} req/s (ms)",
+        f"max rate at added p99 \u2264 {bound:g} ms (req/s)",
+    ]
+    rows = [
+        [
+            label,
+            with_note(spread(r.figure(f"{p}.added_p50"), ms2), r.figure(f"{p}.added_p50")),
+            with_note(spread(r.figure(f"{p}.added_p99"), sig3), r.figure(f"{p}.added_p99")),
+            _max_rate(r, p),
+        ]
+        for p, label in PROXIES.items()
+        if f"{p}.added_p50" in r.figures
+    ]
+    text = table(header, rows)
+    if "direct.p50" in r.figures and "direct.p99" in r.figures:
+        text += (
+            f"\n\nDirect to the fake upstream: p50 {num(median(r.figures['direct.p50']), 2)} ms, "
+            f"p99 {num(median(r.figures['direct.p99']), 2)} ms."
+        )
+    return text
+
+
+def render_gateway_ttft(f: Files) -> str:
+    r = f["gateway_ttft"]
+    rows = [
+        [label, num(median(r.figure(f"{k}.p50")), 1), num(median(r.figure(f"{k}.p90")), 1)]
+        for k, label in (("direct", "direct to vLLM"), ("gateway", "through the gateway"), ("added", "added"))
+    ]
+    return table(["path", "TTFT p50 (ms)", "TTFT p90 (ms)"], rows)
+
+
+# --- engine plugin --------------------------------------------------------------------------------------
+
+
+def _alone_vs_flood(r: Results, key: str, label: str, show_share: bool) -> list[str]:
+    alone, flood = median(r.figure(f"{key}.alone")), median(r.figure(f"{key}.flood"))
+    flood_text = pct(flood)
+    if show_share and alone:
+        flood_text += f" ({100 * flood / alone:.0f}% of alone)"
+    return [label, pct(alone), flood_text]
+
+
+def render_plugin_noisy_neighbour(f: Files) -> str:
+    r = f["plugin_noisy_neighbour"]
+    rows = [
+        _alone_vs_flood(r, "plugin", "vLLM + kvfleet plugin", show_share=True),
+        _alone_vs_flood(r, "stock", "stock vLLM (global LRU)", show_share=False),
+    ]
+    return table(["engine", "victim alone", "victim next to the flood"], rows)
+
+
+def render_lmcache_l1_noisy_neighbour(f: Files) -> str:
+    r = f["lmcache_l1_noisy_neighbour"]
+    rows = [
+        _alone_vs_flood(r, "governed", "kvfleet governed L1", show_share=True),
+        _alone_vs_flood(r, "stock", "LMCache stock LRU", show_share=False),
+    ]
+    return table(["L1 policy", "victim alone", "victim after the flood"], rows)
+
+
+def render_plugin_scheduler_cost(f: Files) -> str:
+    r = f["plugin_scheduler_cost"]
+    rounds = detail_int(r, "rounds")
+
+    def row(label: str, pool: str) -> list[str]:
+        spread_of_rounds = r.figures.get(f"{pool}.us_per_request")
+        med = "not recorded" if spread_of_rounds is None else num(median(spread_of_rounds))
+        return [label, num(median(r.figure(f"{pool}.us_per_request_min"))), med]
+
+    rows = [
+        row("vLLM's `BlockPool`", "stock"),
+        row("kvfleet's `TenantAwareBlockPool`", "plugin"),
+        ["added by kvfleet", "+" + num(median(r.figure("added_us_per_request"))), ""],
+    ]
+    header = ["block pool", f"\u00b5s per request, min of {rounds} rounds", "median of the rounds"]
+    requests, evictions = detail_int(r, "requests"), median(r.figure("policy_evictions_per_pass"))
+    head = (
+        f"{num(requests)} requests of {detail_int(r, 'tenants')} tenants on "
+        f"{num(detail_int(r, 'blocks'))} blocks, {num(evictions)} policy evictions per pass (about "
+        f"{evictions / requests:.0f} evicted blocks per request), {rounds} alternating rounds:"
+    )
+    return f"{head}\n\n{table(header, rows)}"
+
+
+OVERHEAD_WORKLOADS = {"same": "policy picks vLLM's victims", "mixed": "real quotas"}
+
+
+def _ratio(r: Results, kind: str) -> str:
+    ratio = median(r.figure(f"{kind}.ratio_of_medians"))
+    rounds = r.figure(f"{kind}.round_ratio")
+    text = f"{ratio:.2f}"
+    if rounds.min is not None and rounds.max is not None:
+        text += f" ({rounds.min:.2f}..{rounds.max:.2f})"
+    if rounds.median is not None and kind == "cpu" and f"{rounds.median:.2f}" != f"{ratio:.2f}":
+        text += f"; round ratios median {rounds.median:.2f}"
+    return text
+
+
+def render_plugin_overhead(f: Files) -> str:
+    rows = []
+    for name in ("plugin_overhead_same", "plugin_overhead_mixed", "plugin_overhead_same_c1"):
+        r = f[name]
+        workload = str(detail(r, "workload"))
+        label = (
+            f"`--workload {workload}` ({OVERHEAD_WORKLOADS.get(workload, workload)}), "
+            f"{detail_int(r, 'requests')} req \u00d7 {detail_int(r, 'concurrency')} concurrent"
+        )
+        cached = r.details.get("cached_tokens_per_round")
+        if isinstance(cached, int):
+            label += f"; identical cached tokens every round: {num(cached)} each"
+        rows.append(
+            [
+                label,
+                str(detail_int(r, "rounds")),
+                f"{num(median(r.figure('wall.plugin')))} / {num(median(r.figure('wall.stock')))}",
+                _ratio(r, "wall"),
+                f"{num(median(r.figure('cpu.plugin')))} / {num(median(r.figure('cpu.stock')))}",
+                _ratio(r, "cpu"),
+            ]
+        )
+    header = [
+        "workload",
+        "rounds",
+        "wall tok/s median plugin / stock",
+        "ratio of medians (round ratios min..max)",
+        "tok per CPU-s median plugin / stock",
+        "ratio of medians (min..max)",
+    ]
+    commands = "; ".join(f"`{r.command}`" for r in f.values())
+    return f"{table(header, rows)}\n\nCommands: {commands}."
+
+
+def render_plugin_fidelity(f: Files) -> str:
+    r = f["plugin_fidelity"]
+    rows = []
+    for engine in _str_list(r, "engines"):
+        for tenant in _str_list(r, "tenants"):
+            diff = median(r.figure(f"{engine}.{tenant}.difference"))
+            diff_text = num(0.0, 2) if round(diff, 2) == 0 else ("+" if diff > 0 else "") + num(diff, 2)
+            rows.append(
+                [
+                    engine,
+                    tenant,
+                    pct(median(r.figure(f"{engine}.{tenant}.real"))),
+                    pct(median(r.figure(f"{engine}.{tenant}.simulated"))),
+                    f"{diff_text} pts",
+                ]
+            )
+    return table(["engine", "tenant", "real vLLM", "simulator", "difference"], rows)
+
+
+# --- operator -------------------------------------------------------------------------------------------
+
+#: The targets the 1,000-Tenant run is held to (the default of benchmarks/operator_scale.py).
+SCALE_TARGETS = "targets: \u2264 60 s, \u2264 250 MiB"
+
+
+def _scale_row(r: Results, primary: bool) -> list[str]:
+    tenants, mds = detail_int(r, "tenants"), detail_int(r, "model_deployments")
+    dedicated = detail_int(r, "dedicated")
+    seconds = f"{num(median(r.figure('seconds_to_all_ready')), 1)} s"
+    rss = f"{num(median(r.figure('operator_peak_rss_mib')))} MiB"
+    calls = num(median(r.figure("api_calls_total")))
+    if primary:
+        salted, shared = detail_int(r, "salted"), detail_int(r, "shared")
+        what = (
+            f"{num(tenants)} Tenants ({salted} salted, {shared} shared, {dedicated} dedicated) across {mds} "
+            "ModelDeployments, from operator start to every Tenant `Ready`"
+        )
+        verbs = ", ".join(
+            f"{k.removeprefix('api_calls.')} {num(median(v))}"
+            for k, v in r.figures.items()
+            if k.startswith("api_calls.")
+        )
+        result = f"**{seconds}**, {calls} API calls ({verbs}), operator peak RSS **{rss}** ({SCALE_TARGETS})"
+    else:
+        what = f"the same at {num(tenants)} Tenants / {mds} ModelDeployments / {dedicated} dedicated"
+        result = f"{seconds}, {calls} calls, {rss}"
+    return [what, f"`{r.command}`", result]
+
+
+def render_operator(f: Files) -> str:
+    drift, second, kill = f["operator_drift"], f["operator_second_reconcile"], f["operator_kill"]
+    repair = drift.figure("repair_seconds")
+    assert repair.max is not None
+    drift_result = (
+        f"median {num(median(repair), 2)} s, p99 {num(median(drift.figure('repair_p99_seconds')), 2)} s, "
+        f"max {num(repair.max, 2)} s (target p99 \u2264 10 s)"
+    )
+    kills, converged = median(kill.figure("kills")), median(kill.figure("converged"))
+    dup, orphaned = median(kill.figure("duplicate_children")), median(kill.figure("orphaned_children"))
+    kill_result = (
+        "converges every time" if converged == kills else f"converges {converged:.0f} of {kills:.0f} times"
+    )
+    kill_result += f"; then {num(median(kill.figure('mutating_calls_after')))} mutating calls, "
+    kill_result += (
+        "no duplicate or orphaned children"
+        if dup == 0 and orphaned == 0
+        else f"{num(dup)} duplicate and {num(orphaned)} orphaned children"
+    )
+    rows = [
+        _scale_row(f["operator_scale"], primary=True),
+        _scale_row(f["operator_scale_300"], primary=False),
+        [
+            f"drift repair: {repair.runs} random deletions or edits of a child (ConfigMap, keys Secret, "
+            "gateway Deployment, engine StatefulSet, Service, NetworkPolicy, PDB) until restored",
+            f"`{drift.command}`",
+            drift_result,
+        ],
+        [
+            "second reconcile of a converged ModelDeployment",
+            f"`{second.command}`",
+            f"{num(median(second.figure('mutating_calls')))} mutating calls",
+        ],
+        [
+            f"kill -9 the operator {kills:.0f} times mid-reconcile, restart each time",
+            f"`{kill.command}`",
+            kill_result,
+        ],
+    ]
+    return table(["what", "command", "result"], rows)
+
+
+# --- demo -----------------------------------------------------------------------------------------------
+
+
+def render_demo(f: Files) -> str:
+    demo, cold = f["demo"], f["build_cluster_cold"]
+    install = demo.figure("engine_install")
+    rows = [
+        [
+            f"warm (binaries, engine and tiny model cached; `{demo.command}`)",
+            f"{num(median(demo.figure('wall')))} s from start to report (target < 5 min)",
+        ],
+        [
+            "cold (fresh machine)",
+            f"provisioning first: the control-plane build ({num(median(cold.figure('wall')))} s measured on "
+            f"a loaded machine, see Control plane), the engine install (about {median(install) / 60:.0f} min"
+            f"{': ' + install.note if install.note else ''}), the tiny model (seconds), then the warm run",
+        ],
+    ]
+    return table(["run", "result"], rows)
+
+
+# --- the page -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """One generated block: the results files it reads and how it lays them out."""
+
+    files: tuple[str, ...]
+    render: Callable[[Files], str]
+
+
+BLOCKS: dict[str, Block] = {
+    "control_plane": Block(
+        (
+            "build_cluster_cold",
+            "build_cluster_warm",
+            "build_cluster_relink",
+            "control_plane_start_api",
+            "control_plane_start_full",
+            "cluster_smoke",
+        ),
+        render_control_plane,
+    ),
+    "simulate_rag": Block(("simulate_rag",), render_simulate_rag),
+    "simulate_rag_tenants": Block(("simulate_rag",), render_simulate_rag_tenants),
+    "simulate_rag_1800": Block(("simulate_rag_1800",), render_simulate_rag_1800),
+    "simulate_noisy_neighbour": Block(("simulate_noisy_neighbour",), render_simulate_noisy_neighbour),
+    "engine_startup": Block(("engine_startup",), render_engine_startup),
+    "engine_restore": Block(("engine_restore",), render_engine_restore),
+    "gateway_loaded": Block(("gateway_loaded",), lambda f: render_gateway(f, "gateway_loaded")),
+    "gateway": Block(("gateway",), lambda f: render_gateway(f, "gateway")),
+    "gateway_ttft": Block(("gateway_ttft",), render_gateway_ttft),
+    "plugin_noisy_neighbour": Block(("plugin_noisy_neighbour",), render_plugin_noisy_neighbour),
+    "plugin_scheduler_cost": Block(("plugin_scheduler_cost",), render_plugin_scheduler_cost),
+    "plugin_overhead": Block(
+        ("plugin_overhead_same", "plugin_overhead_mixed", "plugin_overhead_same_c1"), render_plugin_overhead
+    ),
+    "lmcache_l1_noisy_neighbour": Block(("lmcache_l1_noisy_neighbour",), render_lmcache_l1_noisy_neighbour),
+    "plugin_fidelity": Block(("plugin_fidelity",), render_plugin_fidelity),
+    "operator": Block(
+        (
+            "operator_scale",
+            "operator_scale_300",
+            "operator_drift",
+            "operator_second_reconcile",
+            "operator_kill",
+        ),
+        render_operator,
+    ),
+    "demo": Block(("demo", "build_cluster_cold"), render_demo),
+}
+
+
+def render_block(name: str, results: Mapping[str, Results]) -> str:
+    """The body of block ``name`` (without its markers): the table(s), then the provenance line."""
+    block = BLOCKS[name]
+    files = {n: results[n] for n in block.files}
+    return f"{block.render(files)}\n\n{provenance(list(files.values()))}"
+
+
+def _wrap(name: str, body: str) -> str:
+    return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
+
+
+def update(text: str, results: Mapping[str, Results]) -> str:
+    """``text`` with every block's body re-rendered from ``results``; a block that names no known table or
+    lacks a results file is left as it is (``check`` reports it)."""
+
+    def sub(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in BLOCKS or any(n not in results for n in BLOCKS[name].files):
+            return match[0]
+        return _wrap(name, render_block(name, results))
+
+    return BLOCK_RE.sub(sub, text)
+
+
+def _tables_outside_blocks(text: str) -> Iterator[int]:
+    """1-based line numbers of markdown tables with a digit in a data row, outside blocks and code fences."""
+    inside = [False] * (text.count("\n") + 1)
+    for m in BLOCK_RE.finditer(text):
+        first, last = text.count("\n", 0, m.start()), text.count("\n", 0, m.end())
+        for i in range(first, last + 1):
+            inside[i] = True
+    in_fence = False
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        if FENCE_RE.match(lines[i]):
+            in_fence = not in_fence
+        elif not in_fence and not inside[i] and lines[i].startswith("|"):
+            start = i
+            while i < len(lines) and lines[i].startswith("|"):
+                i += 1
+            if any(re.search(r"\d", row) for row in lines[start + 2 : i]):
+                yield start + 1
+            continue
+        i += 1
+
+
+def check(text: str, results: Mapping[str, Results]) -> list[str]:
+    """Every way ``text`` (docs/benchmarks.md) and ``results`` disagree; empty when they agree."""
+    problems = []
+    used: set[str] = set()
+    seen: set[str] = set()
+    for match in BLOCK_RE.finditer(text):
+        name = match["name"]
+        if name not in BLOCKS:
+            problems.append(f"block {name!r}: no such table in benchmarks/report.py BLOCKS")
+            continue
+        if name in seen:
+            problems.append(f"block {name!r} appears twice")
+        seen.add(name)
+        missing = [n for n in BLOCKS[name].files if n not in results]
+        if missing:
+            problems.append(f"block {name!r}: missing results file(s) {', '.join(missing)}")
+            continue
+        used.update(BLOCKS[name].files)
+        if match["body"] != render_block(name, results):
+            problems.append(f"block {name!r} differs from its results files (run make bench-docs)")
+    problems += [
+        f"results file {n}.json is used by no block on the page" for n in sorted(set(results) - used)
+    ]
+    problems += [
+        f"line {n}: a table of figures outside a generated block" for n in _tables_outside_blocks(text)
+    ]
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when anything differs")
+    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    text = args.doc.read_text()
+    results = load_all(args.results_dir)
+    if args.check:
+        problems = check(text, results)
+        for problem in problems:
+            print(f"{args.doc.name}: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    new = update(text, results)
+    if new != text:
+        args.doc.write_text(new)
+        print(f"{args.doc}: generated blocks updated")
+    problems = check(new, results)
+    for problem in problems:
+        print(f"{args.doc.name}: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
