@@ -3,13 +3,16 @@
 The prose of docs/benchmarks.md is hand-written; every table of figures sits between two marker comments,
 ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``, and is generated: ``BLOCKS[NAME]`` names the
 results files it reads and the function that lays them out (the same columns and wording the page had
-when it was typed by hand), followed by a line saying where the figures come from.
+when it was typed by hand), followed by a line saying where the figures come from. A NAME that is not in
+``BLOCKS`` but is the name of a results file gets a plain table of that file's figures, so a new benchmark
+needs only its markers on the page; it gets a layout of its own when it is added to ``BLOCKS``.
 
     .venv/bin/python benchmarks/report.py            # rewrite the generated blocks (make bench-docs)
     .venv/bin/python benchmarks/report.py --check    # exit 1 and say why when the page and files disagree
 
-``--check`` fails when a block differs from what its files render, a block names an unknown table, a
-results file is used by no block on the page, or a table of figures on the page lies outside every block.
+``--check`` fails when a block differs from what its files render, a block names neither a table nor a
+results file, a results file is used by no block on the page, or a table of figures on the page lies
+outside every block.
 """
 
 from __future__ import annotations
@@ -681,9 +684,29 @@ BLOCKS: dict[str, Block] = {
 }
 
 
+def render_figures(f: Files) -> str:
+    """The layout of a results file without one of its own: one row per figure."""
+    (r,) = f.values()
+    rows = [
+        [f"`{key}`", with_note(spread(fig, short), fig), fig.unit, str(fig.runs)]
+        for key, fig in r.figures.items()
+    ]
+    return f"`{r.command}`:\n\n" + table(["figure", "median [min\u2013max]", "unit", "runs"], rows)
+
+
+def block_for(name: str, results: Mapping[str, Results]) -> Block | None:
+    """The block ``name`` stands for: a table of ``BLOCKS``, else the plain table of the results file
+    ``name``, else none."""
+    if name in BLOCKS:
+        return BLOCKS[name]
+    return Block((name,), render_figures) if name in results else None
+
+
 def render_block(name: str, results: Mapping[str, Results]) -> str:
     """The body of block ``name`` (without its markers): the table(s), then the provenance line."""
-    block = BLOCKS[name]
+    block = block_for(name, results)
+    if block is None:
+        raise KeyError(f"no table and no results file named {name!r}")
     files = {n: results[n] for n in block.files}
     return f"{block.render(files)}\n\n{provenance(list(files.values()))}"
 
@@ -698,7 +721,8 @@ def update(text: str, results: Mapping[str, Results]) -> str:
 
     def sub(match: re.Match[str]) -> str:
         name = match["name"]
-        if name not in BLOCKS or any(n not in results for n in BLOCKS[name].files):
+        block = block_for(name, results)
+        if block is None or any(n not in results for n in block.files):
             return match[0]
         return _wrap(name, render_block(name, results))
 
@@ -735,17 +759,18 @@ def check(text: str, results: Mapping[str, Results]) -> list[str]:
     seen: set[str] = set()
     for match in BLOCK_RE.finditer(text):
         name = match["name"]
-        if name not in BLOCKS:
-            problems.append(f"block {name!r}: no such table in benchmarks/report.py BLOCKS")
+        block = block_for(name, results)
+        if block is None:
+            problems.append(f"block {name!r}: no table in benchmarks/report.py BLOCKS and no results file")
             continue
         if name in seen:
             problems.append(f"block {name!r} appears twice")
         seen.add(name)
-        missing = [n for n in BLOCKS[name].files if n not in results]
+        missing = [n for n in block.files if n not in results]
         if missing:
             problems.append(f"block {name!r}: missing results file(s) {', '.join(missing)}")
             continue
-        used.update(BLOCKS[name].files)
+        used.update(block.files)
         if match["body"] != render_block(name, results):
             problems.append(f"block {name!r} differs from its results files (run make bench-docs)")
     problems += [
