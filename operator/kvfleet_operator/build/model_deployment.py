@@ -7,7 +7,7 @@ pools. The reconcile shell reads the world, calls it, plans against what exists 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.common import (
@@ -71,7 +71,7 @@ def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkloa
         node_selector.setdefault(GPU_POOL_LABEL, SHARED_POOL)
         if spec.pool.gpu_type:
             node_selector.setdefault(GPU_PRODUCT_LABEL, spec.pool.gpu_type)
-    return PoolWorkload(
+    workload = PoolWorkload(
         namespace=str(meta["namespace"]),
         model_deployment=str(meta["name"]),
         pool=SHARED_POOL,
@@ -87,6 +87,11 @@ def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkloa
         model_volume=ModelVolume(spec.model.source.pvc.claim_name) if spec.model.source.pvc else None,
         nvme=_nvme(md),
     )
+    if spec.pool.gpus_per_replica == 0:
+        # A CPU engine (demos, tests) runs on an ordinary node; the GPU-node requests (4 CPUs, 32Gi) would
+        # leave it unschedulable on a small one.
+        return replace(workload, cpu_request="1", memory_request="4Gi")
+    return workload
 
 
 def _nvme(md: ModelDeployment) -> NvmeVolume | None:
