@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +45,18 @@ from kvfleet_runtime.engine.metrics import (
     TENANT_RESIDENT_BLOCKS,
     build_metric_families,
 )
-from kvfleet_runtime.engine.plugin_config import PluginSettings, TenantSource, load_plugin_settings
+from kvfleet_runtime.engine.plugin_config import (
+    PluginSettings,
+    TenantSource,
+    describe_installed_pool,
+    load_plugin_settings,
+)
 
 try:
     import torch
     from vllm import SamplingParams
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_coordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -512,6 +520,46 @@ def test_poll_is_rate_limited(tmp_path: Path) -> None:
     assert source.poll(10.5) is None  # within the second: not even stat'ed
     new = source.poll(11.0)
     assert new is not None and new.limits["a"].quota == 2
+
+
+@pytest.fixture
+def restore_vllm_logging() -> Iterator[None]:
+    """Undo a test's ``configure_logging`` (vLLM's logger state and the log record factory)."""
+    vllm_logger = logging.getLogger("vllm")
+    saved = (list(vllm_logger.handlers), vllm_logger.level, vllm_logger.propagate)
+    factory = logging.getLogRecordFactory()
+    try:
+        yield
+    finally:
+        vllm_logger.handlers[:] = saved[0]
+        vllm_logger.setLevel(saved[1])
+        vllm_logger.propagate = saved[2]
+        logging.setLogRecordFactory(factory)
+
+
+def test_a_pool_built_from_the_plugin_environment_says_so_in_vllms_log(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    restore_vllm_logging: None,
+) -> None:
+    shared = Isolation.SHARED
+    tenants = (tenant("a", 8), tenant("s1", 2, isolation=shared), tenant("s2", 2, isolation=shared))
+    settings = write_config(tmp_path, table_of(*tenants))
+    monkeypatch.setenv("KVFLEET_TENANT_TABLE", str(settings.tenant_table))
+    monkeypatch.setenv("KVFLEET_KEY_FILE", str(settings.key_file))
+    monkeypatch.setenv("KVFLEET_POOL", POOL)
+    monkeypatch.setenv("KVFLEET_PLUGIN_METRICS_PORT", "0")
+    # vLLM's own logging set-up, as its engine-core process applies it before it builds the pool (here
+    # its handler writes to the test's captured stdout).
+    configure_logging(LoggingConfig(configure_logging=True, log_level="INFO"))
+    pool = TenantAwareBlockPool(17, True, BLOCK)
+    line = describe_installed_pool(POOL, pool.attribution, 0)
+    assert "pool 'shared', 3 tenants (2 accounting tenants), 16 KV blocks" in line
+    out = capsys.readouterr().out
+    logged = [x for x in out.splitlines() if line in x]
+    assert len(logged) == 1, out
+    assert " INFO " in logged[0] and "pid=" in logged[0]  # formatted by vLLM's handler, like its own lines
 
 
 def test_plugin_settings_from_env() -> None:

@@ -16,6 +16,7 @@ from test_gateway_support import TenantSpec, build_keys, build_table
 
 from kvfleet_runtime.cli import main
 from kvfleet_runtime.config import KeyFile, TenantTable
+from kvfleet_runtime.config_watch import describe_error
 from kvfleet_runtime.gateway.admission import GateLimits, TenantGate, Throttled, TokenBucket
 from kvfleet_runtime.gateway.cli import parse_listen
 from kvfleet_runtime.gateway.rewrite import (
@@ -34,7 +35,7 @@ from kvfleet_runtime.gateway.routing import (
     compute_load_cap,
     select_replica,
 )
-from kvfleet_runtime.gateway.state import build_snapshot, describe_error
+from kvfleet_runtime.gateway.state import build_snapshot
 
 
 class FakeClock:

@@ -49,12 +49,17 @@ from kvfleet_runtime.config import KVTier
 from kvfleet_runtime.engine.attribution import UNATTRIBUTED, Attribution
 from kvfleet_runtime.engine.metrics import PoolSnapshot, TenantSnapshot
 from kvfleet_runtime.engine.metrics_server import ensure_metrics_server
-from kvfleet_runtime.engine.plugin_config import TenantSource, load_plugin_settings
+from kvfleet_runtime.engine.plugin_config import (
+    ENGINE_LOGGER,
+    TenantSource,
+    describe_installed_pool,
+    load_plugin_settings,
+)
 from kvfleet_runtime.kv.policy import TierPolicy
 
 __all__ = ["TenantAwareBlockPool", "TenantAwareKVCacheManager"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(ENGINE_LOGGER)
 
 
 class TenantAwareBlockPool(BlockPool):  # type: ignore[misc,unused-ignore]  # Any without vLLM
@@ -114,11 +119,12 @@ class TenantAwareBlockPool(BlockPool):  # type: ignore[misc,unused-ignore]  # An
         self._fallbacks = 0
         if self._source is not None:
             assert self._source.table is not None
-            ensure_metrics_server(
-                self._source.settings.metrics_host,
-                self._source.settings.resolve_metrics_port(self._source.table),
-                self,
-            )
+            settings = self._source.settings
+            metrics_port = settings.resolve_metrics_port(self._source.table)
+            ensure_metrics_server(settings.metrics_host, metrics_port, self)
+            # vLLM builds the pool in its engine-core process only: this line says, in the engine's own
+            # log, that per-tenant governance is on there (register() runs in every vLLM process).
+            logger.info(describe_installed_pool(settings.pool, attribution, metrics_port))
 
     # ------------------------------------------------------------------------------ attribution
     @property

@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import start_http_server
 
 from kvfleet_runtime.config import KeyFile, TenantTable
+from kvfleet_runtime.config_watch import RuntimeConfigWatcher
 from kvfleet_runtime.engine import launcher, restore_bench
 from kvfleet_runtime.engine import lmcache_sync as ls
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
@@ -116,8 +117,8 @@ def _bench_restore(args: argparse.Namespace) -> int:
 
 def _lmcache_sync(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    watcher = ls.ConfigWatcher(args.config, args.keys)
-    if not watcher.refresh():
+    watcher = RuntimeConfigWatcher(args.config, args.keys)
+    if watcher.poll() is None:  # the first poll loads (a rejected file is logged with the reason)
         print(f"cannot load {args.config} / {args.keys}", file=sys.stderr)
         return 2
     metrics = ls.LMCacheSyncMetrics()
@@ -130,9 +131,10 @@ def _lmcache_sync(args: argparse.Namespace) -> int:
 
 
 async def _sync_once(watcher: Any, pool: str | None, endpoints: list[str], metrics: Any) -> int:
-    desired = ls.compute_salt_quotas(watcher.table, watcher.keys, pool)
+    config = watcher.current
+    desired = ls.compute_salt_quotas(config.table, config.keys, pool)
     failed = 0
-    for url in endpoints or ls.endpoints_for(watcher.table, pool):
+    for url in endpoints or ls.endpoints_for(config.table, pool):
         state = ls.EndpointState(ls.LMCacheClient(url))
         try:
             plan = await ls.apply_lmcache_sync(state, desired, metrics)
@@ -211,7 +213,7 @@ def _launch(args: argparse.Namespace) -> int:
         if lmc is None:
             procs[-1].proc.wait()
             return int(procs[-1].proc.returncode or 0)
-        watcher = ls.ConfigWatcher(args.config, args.keys)
+        watcher = RuntimeConfigWatcher(args.config, args.keys)
         metrics = ls.LMCacheSyncMetrics()
         if args.metrics_port is not None:
             start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)

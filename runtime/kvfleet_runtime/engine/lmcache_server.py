@@ -35,8 +35,8 @@ from lmcache.v1.distributed.storage_controllers.eviction_controller import Evict
 from lmcache.v1.mp_observability.event_bus import get_event_bus
 from prometheus_client import Counter, Gauge
 
+from kvfleet_runtime.config_watch import RuntimeConfig, RuntimeConfigWatcher
 from kvfleet_runtime.engine.l1_governance import L1Governor, L1Limits, compute_l1_limits
-from kvfleet_runtime.engine.lmcache_sync import ConfigWatcher
 from kvfleet_runtime.engine.plugin_config import PluginSettings, load_plugin_settings
 from kvfleet_runtime.kv.policy import EvictionReason
 
@@ -135,11 +135,9 @@ class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
         self._eviction_config = eviction_config
         _, total = l1_manager.get_memory_usage()
         self._capacity = total
-        self._watcher = ConfigWatcher(self.settings.tenant_table, self.settings.key_file)
-        if not self._watcher.refresh():  # a misconfigured LMCache fails at start-up (reason logged)
-            files = f"{self.settings.tenant_table} and {self.settings.key_file}"
-            raise RuntimeError(f"kvfleet L1 governance: cannot load {files}")
-        self.governor = L1Governor(total, self._limits())
+        self._watcher = RuntimeConfigWatcher(self.settings.tenant_table, self.settings.key_file, logger=log)
+        # A misconfigured LMCache fails at start-up, with the reason.
+        self.governor = L1Governor(total, self._limits(self._watcher.load()))
         self._eviction_policy = GovernedL1Policy(self.governor, l1_manager)
         self._listener = L1EvictionPolicy(self._eviction_policy)
         l1_manager.register_listener(self._listener)
@@ -162,16 +160,14 @@ class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
             except Exception:  # the loop must outlive one bad cycle; LMCache keeps serving
                 log.exception("kvfleet L1 eviction cycle failed")
 
-    def _limits(self) -> L1Limits:
-        table, keys = self._watcher.table, self._watcher.keys
-        assert table is not None and keys is not None  # loaded in __init__
-        return compute_l1_limits(table, keys, self.settings.pool, self._capacity)
+    def _limits(self, config: RuntimeConfig) -> L1Limits:
+        return compute_l1_limits(config.table, config.keys, self.settings.pool, self._capacity)
 
     def run_cycle(self) -> None:
         failures = self._watcher.failures
-        if self._watcher.refresh():
+        if (config := self._watcher.poll()) is not None:
             try:
-                self.governor.set_limits(self._limits())
+                self.governor.set_limits(self._limits(config))
                 self.metrics.reloads.labels("ok").inc()
             except ValueError as exc:  # e.g. this pool is no longer in the table
                 self.metrics.reloads.labels("error").inc()

@@ -31,7 +31,8 @@ Decisions:
 
 Pure core: ``compute_salt_quotas``, ``compute_sync_plan``, ``parse_quota_listing``,
 ``parse_lmcache_metrics``, ``compute_tenant_usage``. Thin shell: ``LMCacheClient`` (aiohttp) and
-``run_lmcache_sync`` (the loop).
+``run_lmcache_sync`` (the loop; the tenant table and key file come from the runtime's one watcher,
+``config_watch.RuntimeConfigWatcher``).
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvfleet_runtime.config import KeyFile, KVTier, TenantTable, derive_cache_salt
+from kvfleet_runtime.config_watch import RuntimeConfigWatcher
 from kvfleet_runtime.kv.limits import group_by_salt_id, group_quota, group_ttl
 
 log = logging.getLogger(__name__)
@@ -452,42 +453,6 @@ def _export(
     m.last_success.labels(endpoint).set(time.time())
 
 
-class ConfigWatcher:
-    """Re-reads the tenant table and key file when either file changes; keeps the last good pair."""
-
-    def __init__(self, table_path: Path, keys_path: Path) -> None:
-        self.table_path = table_path
-        self.keys_path = keys_path
-        self._stamp: tuple[float, float] | None = None
-        self.table: TenantTable | None = None
-        self.keys: KeyFile | None = None
-        #: Refreshes that found a file unreadable or invalid.
-        self.failures = 0
-
-    def _mtimes(self) -> tuple[float, float]:
-        return (self.table_path.stat().st_mtime_ns, self.keys_path.stat().st_mtime_ns)
-
-    def refresh(self) -> bool:
-        """Reload if changed. Returns True when a new pair was loaded; logs and keeps the old on error."""
-        try:
-            stamp = self._mtimes()
-        except OSError as exc:
-            log.error("cannot stat config files: %s", exc)
-            self.failures += 1
-            return False
-        if stamp == self._stamp:
-            return False
-        try:
-            table, keys = TenantTable.load(self.table_path), KeyFile.load(self.keys_path)
-        except (OSError, ValueError) as exc:
-            log.error("rejected new tenant table/key file, keeping the last good one: %s", exc)
-            self._stamp = stamp
-            self.failures += 1
-            return False
-        self.table, self.keys, self._stamp = table, keys, stamp
-        return True
-
-
 def endpoints_for(table: TenantTable, pool: str | None) -> list[str]:
     """LMCache endpoints of ``pool`` (of every pool when ``None``) from the tenant table."""
     pools = [table.pools[pool]] if pool is not None else list(table.pools.values())
@@ -495,7 +460,7 @@ def endpoints_for(table: TenantTable, pool: str | None) -> list[str]:
 
 
 async def run_lmcache_sync(
-    watcher: ConfigWatcher,
+    watcher: RuntimeConfigWatcher,
     *,
     pool: str | None,
     endpoints: Sequence[str] = (),
@@ -503,7 +468,8 @@ async def run_lmcache_sync(
     metrics: LMCacheSyncMetrics | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """The loop: every ``interval_s`` re-read config if changed and sync every endpoint.
+    """The loop: every ``interval_s`` re-read the config if it changed (``watcher``; the last good pair
+    stays in force) and sync every endpoint.
 
     ``endpoints`` overrides the pool's ``lmcache_endpoints``. Errors on one endpoint are counted and
     logged; the others keep syncing. Dedicated tenants only ever reach their own pool's LMCache, so a
@@ -513,10 +479,10 @@ async def run_lmcache_sync(
     states: dict[str, EndpointState] = {}
     try:
         while not stop.is_set():
-            watcher.refresh()
-            if watcher.table is not None and watcher.keys is not None:
-                desired = compute_salt_quotas(watcher.table, watcher.keys, pool)
-                urls = list(endpoints) or endpoints_for(watcher.table, pool)
+            await watcher.poll_async()
+            if (config := watcher.current) is not None:
+                desired = compute_salt_quotas(config.table, config.keys, pool)
+                urls = list(endpoints) or endpoints_for(config.table, pool)
                 for url in urls:
                     state = states.get(url)
                     if state is None:
@@ -535,7 +501,6 @@ async def run_lmcache_sync(
 
 
 __all__ = [
-    "ConfigWatcher",
     "EndpointState",
     "LMCacheClient",
     "LMCacheSyncMetrics",

@@ -19,10 +19,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet_runtime.engine.metrics import PoolCollector, PoolSnapshot
+from kvfleet_runtime.engine.plugin_config import ENGINE_LOGGER
 
 __all__ = ["MetricsSource", "ensure_metrics_server", "start_metrics_server"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(ENGINE_LOGGER)  # runs in vLLM's engine core: log where vLLM logs
 
 _LOCK = threading.Lock()
 #: The process's server, once started (one per engine-core process).

@@ -19,15 +19,16 @@ Optional:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfleet_runtime.config import KeyFile, TenantTable
-from kvfleet_runtime.engine.attribution import Attribution, build_attribution
+from kvfleet_runtime.config import TenantTable
+from kvfleet_runtime.config_watch import RuntimeConfig, RuntimeConfigWatcher
+from kvfleet_runtime.engine.attribution import UNATTRIBUTED, Attribution, build_attribution
 
 __all__ = [
+    "ENGINE_LOGGER",
     "ENV_KEY_FILE",
     "ENV_METRICS_HOST",
     "ENV_METRICS_PORT",
@@ -35,10 +36,16 @@ __all__ = [
     "ENV_TENANT_TABLE",
     "PluginSettings",
     "TenantSource",
+    "describe_installed_pool",
     "load_plugin_settings",
 ]
 
-logger = logging.getLogger(__name__)
+#: The logger of everything kvfleet does inside vLLM's processes. It is a child of vLLM's ``vllm`` logger,
+#: the only one vLLM gives a handler (its own are ``propagate=False`` and the root logger has none), so
+#: these lines appear in the engine's log, formatted like vLLM's, at vLLM's ``VLLM_LOGGING_LEVEL``.
+ENGINE_LOGGER = "vllm.kvfleet"
+
+logger = logging.getLogger(ENGINE_LOGGER)
 
 ENV_TENANT_TABLE = "KVFLEET_TENANT_TABLE"
 ENV_KEY_FILE = "KVFLEET_KEY_FILE"
@@ -96,18 +103,14 @@ def load_plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
     )
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    st = os.stat(path)  # follows the symlinks Kubernetes swaps on ConfigMap/Secret updates
-    return (st.st_mtime_ns, st.st_size)
-
-
 @dataclass
 class TenantSource:
-    """The tenant table and key file of one pool, re-read when either file changes.
+    """The tenant table and key file of one pool (``RuntimeConfigWatcher``), as an attribution.
 
     ``poll`` is meant for the scheduler's hot path: it stats the files at most once per
-    ``check_interval`` seconds and otherwise returns at once. A file that fails to parse (half written,
-    invalid) keeps the previous attribution in force and is retried on its next change.
+    ``check_interval`` seconds and otherwise returns at once. A file that fails to load (half written,
+    invalid), or a table without this pool, keeps the previous attribution in force; the files are read
+    again when they next change.
     """
 
     settings: PluginSettings
@@ -115,42 +118,51 @@ class TenantSource:
     check_interval: float = 1.0
     reloads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "error": 0})
     table: TenantTable | None = None
-    _stamps: tuple[tuple[int, int], tuple[int, int]] | None = None
+    _watcher: RuntimeConfigWatcher = field(init=False)
     _next_check: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._watcher = RuntimeConfigWatcher(
+            self.settings.tenant_table, self.settings.key_file, logger=logger
+        )
 
     def load(self) -> Attribution:
         """First load; raises (``OSError``, ``ValueError``) so a misconfigured engine fails at start-up."""
-        stamps = (_stamp(self.settings.tenant_table), _stamp(self.settings.key_file))
-        attribution = self._read()
-        self._stamps = stamps
-        return attribution
+        return self._attribution(self._watcher.load())
 
     def poll(self, now: float) -> Attribution | None:
         """A new attribution if the files changed since the last load (checked once per interval)."""
         if now < self._next_check:
             return None
         self._next_check = now + self.check_interval
-        try:
-            stamps = (_stamp(self.settings.tenant_table), _stamp(self.settings.key_file))
-        except OSError as exc:
-            logger.warning("kvfleet: cannot stat the tenant table or key file: %s", exc)
+        failures = self._watcher.failures
+        config = self._watcher.poll()  # logs a rejected file itself
+        if config is None:
+            if self._watcher.failures > failures:
+                self.reloads["error"] += 1
             return None
-        if stamps == self._stamps:
-            return None
-        self._stamps = stamps
         try:
-            attribution = self._read()
-        except (OSError, ValueError) as exc:
+            attribution = self._attribution(config)
+        except ValueError as exc:  # the table no longer has this pool
             self.reloads["error"] += 1
-            logger.warning("kvfleet: tenant table reload failed, keeping the previous one: %s", exc)
+            logger.error("kvfleet: tenant table rejected, keeping the previous one: %s", exc)
             return None
         self.reloads["ok"] += 1
         logger.info("kvfleet: tenant table reloaded (%d accounting tenants)", len(attribution.limits))
         return attribution
 
-    def _read(self) -> Attribution:
-        table = TenantTable.load(self.settings.tenant_table)
-        keys = KeyFile.load(self.settings.key_file)
-        attribution = build_attribution(table, keys, self.settings.pool, self.capacity)
-        self.table = table
+    def _attribution(self, config: RuntimeConfig) -> Attribution:
+        attribution = build_attribution(config.table, config.keys, self.settings.pool, self.capacity)
+        self.table = config.table
         return attribution
+
+
+def describe_installed_pool(pool: str, attribution: Attribution, metrics_port: int) -> str:
+    """The line the engine logs once its tenant-aware block pool is built (vLLM's engine-core process)."""
+    tenants = sum(len(m) for name, m in attribution.members.items() if name != UNATTRIBUTED)
+    accounting = len(attribution.limits) - (1 if UNATTRIBUTED in attribution.limits else 0)
+    metrics = f"metrics on port {metrics_port}" if metrics_port else "no metrics server"
+    return (
+        f"kvfleet: tenant-aware block pool installed: pool {pool!r}, {tenants} tenants "
+        f"({accounting} accounting tenants), {attribution.capacity} KV blocks, {metrics}"
+    )

@@ -19,7 +19,8 @@ When enabled it:
    ``TenantAwareKVCacheManager`` (per-tenant hit counts and the allocating tenant).
 
 The pool starts the metrics server (``engine.metrics_server``) when vLLM constructs it, so only the
-engine-core process serves metrics.
+engine-core process serves metrics, and it logs there, in vLLM's log, that it is installed, with the pool
+name and the tenant count (``plugin_config.describe_installed_pool``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import logging
 import os
 
 from kvfleet_runtime.config import KeyFile, TenantTable
-from kvfleet_runtime.engine.plugin_config import load_plugin_settings
+from kvfleet_runtime.engine.plugin_config import ENGINE_LOGGER, load_plugin_settings
 
 __all__ = ["SUPPORTED_VLLM", "check_vllm_version", "is_installed", "register"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(ENGINE_LOGGER)
 
 #: The vLLM release line whose BlockPool internals the plugin was written against and tested with.
 SUPPORTED_VLLM = "0.32"
@@ -89,8 +90,9 @@ def register() -> None:
     coordinator_module.BlockPool = TenantAwareBlockPool  # type: ignore[attr-defined]
     scheduler_module.KVCacheManager = TenantAwareKVCacheManager  # type: ignore[attr-defined]
     _STATE["installed"] = True
-    logger.info(
-        "kvfleet: tenant-aware block pool installed (pool %s, tenant table %s)",
+    # Debug only: every vLLM process runs this; the pool itself says it is installed, in the engine core.
+    logger.debug(
+        "kvfleet: block pool classes swapped in this process (pool %s, tenant table %s)",
         settings.pool,
         settings.tenant_table,
     )

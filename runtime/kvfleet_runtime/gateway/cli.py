@@ -9,8 +9,9 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from kvfleet_runtime.config_watch import describe_error
 from kvfleet_runtime.gateway.server import GatewaySettings, serve
-from kvfleet_runtime.gateway.state import describe_error, load_snapshot
+from kvfleet_runtime.gateway.state import load_snapshot
 
 
 def parse_listen(value: str) -> tuple[str, int]:

@@ -43,7 +43,7 @@ from kvfleet_runtime.gateway.rewrite import (
     parse_request,
 )
 from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
-from kvfleet_runtime.gateway.state import ConfigWatcher, GatewaySnapshot, TenantRuntime
+from kvfleet_runtime.gateway.state import GatewaySnapshot, SnapshotReloader, TenantRuntime
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -113,7 +113,7 @@ class Gateway:
         self.gates: dict[str, TenantGate] = {}
         self.routers: dict[str, PoolRouter] = {}
         self.session: aiohttp.ClientSession | None = None
-        self.watcher = ConfigWatcher(
+        self.watcher = SnapshotReloader(
             settings.config_path,
             settings.keys_path,
             on_change=self.apply_snapshot,

@@ -1,12 +1,10 @@
-"""The gateway's view of the configuration: an immutable snapshot, and the file watcher that swaps it.
+"""The gateway's view of the configuration: an immutable snapshot, and the reloader that swaps it.
 
 A ``GatewaySnapshot`` is built from one tenant table and one key file and never changes; a reload builds
 a new one and swaps a single reference, so a request that started under the old snapshot finishes under
-it (nothing in flight is dropped). The watcher polls both files' ``stat`` (following symlinks: a mounted
-ConfigMap/Secret changes by swapping the ``..data`` symlink, which changes the inode the path resolves
-to, so the swap is seen even when mtimes are equal). A file that is unreadable or invalid is logged
-(without its content: pydantic errors are reduced to location and message, never the input value) and
-counted, and the last good snapshot stays.
+it (nothing in flight is dropped). When the files changed, and what happens to a bad one (logged without
+its content, counted, the last good snapshot stays), is the runtime's one rule:
+``kvfleet_runtime.config_watch.RuntimeConfigWatcher``; ``SnapshotReloader`` runs it on the event loop.
 """
 
 from __future__ import annotations
@@ -14,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from pydantic import ValidationError
 
 from kvfleet_runtime.config import (
     KeyFile,
@@ -29,6 +24,7 @@ from kvfleet_runtime.config import (
     derive_cache_salt,
     hash_api_key,
 )
+from kvfleet_runtime.config_watch import ConfigFile, RuntimeConfigWatcher
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -107,80 +103,37 @@ def build_snapshot(table: TenantTable, keys: KeyFile) -> GatewaySnapshot:
     return GatewaySnapshot(table=table, tenants=tenants, key_index=key_index)
 
 
-def describe_error(exc: BaseException) -> str:
-    """A log-safe description of a load failure: never the file's content or an input value."""
-    if isinstance(exc, ValidationError):
-        parts = []
-        for err in exc.errors(include_input=False, include_url=False, include_context=False)[:5]:
-            loc = ".".join(str(p) for p in err.get("loc", ()))
-            parts.append(f"{loc or '<root>'}: {err.get('msg', '')}")
-        return f"{exc.error_count()} validation error(s): " + "; ".join(parts)
-    if isinstance(exc, OSError):
-        return f"{type(exc).__name__}: {exc.strerror or 'cannot read'}"
-    return type(exc).__name__
-
-
-def _signature(path: Path) -> tuple[int, int, int, int] | None:
-    try:
-        st = os.stat(path)  # follows symlinks: a ConfigMap ..data swap changes the inode
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
 def load_snapshot(config_path: Path, keys_path: Path) -> GatewaySnapshot:
     """Read and validate both files (blocking; call in a thread on the event loop)."""
     return build_snapshot(TenantTable.load(config_path), KeyFile.load(keys_path))
 
 
-class ConfigWatcher:
-    """Polls the tenant table and key file and calls ``on_change`` with each new valid snapshot."""
+class SnapshotReloader:
+    """Reloads the gateway's snapshot when the tenant table or key file changes (``RuntimeConfigWatcher``
+    in a thread) and calls ``on_change`` with each new one; ``on_failure`` gets the rejected file's name
+    (``tenant_table`` or ``key_file``)."""
 
     def __init__(
         self,
         config_path: Path,
         keys_path: Path,
         on_change: Callable[[GatewaySnapshot], None],
-        on_failure: Callable[[str], None],
+        on_failure: Callable[[ConfigFile], None],
         interval_s: float = 1.0,
     ) -> None:
-        self.config_path = config_path
-        self.keys_path = keys_path
+        self.watcher = RuntimeConfigWatcher(
+            config_path, keys_path, on_rejected=lambda r: on_failure(r.file), logger=log
+        )
         self._on_change = on_change
-        self._on_failure = on_failure
         self.interval_s = interval_s
-        self._seen: tuple[object, object] | None = None
 
     def load_initial(self) -> GatewaySnapshot:
         """The first snapshot; raises (with the reason) so the process fails to start on bad config."""
-        self._seen = (_signature(self.config_path), _signature(self.keys_path))
-        return load_snapshot(self.config_path, self.keys_path)
+        return build_snapshot(*self.watcher.load())
 
     def _check(self) -> GatewaySnapshot | None:
-        seen = (_signature(self.config_path), _signature(self.keys_path))
-        if seen == self._seen:
-            return None
-        # Remember the signature even when loading fails, so a bad file is reported once, not every poll.
-        self._seen = seen
-        try:
-            table = TenantTable.load(self.config_path)
-        except (OSError, ValueError) as exc:
-            log.error(
-                "tenant table %s rejected, keeping the last good one: %s",
-                self.config_path,
-                describe_error(exc),
-            )
-            self._on_failure("tenant_table")
-            return None
-        try:
-            keys = KeyFile.load(self.keys_path)
-        except (OSError, ValueError) as exc:
-            log.error(
-                "key file %s rejected, keeping the last good one: %s", self.keys_path, describe_error(exc)
-            )
-            self._on_failure("key_file")
-            return None
-        return build_snapshot(table, keys)
+        config = self.watcher.poll()
+        return None if config is None else build_snapshot(*config)
 
     async def poll_once(self) -> bool:
         """Check both files once; ``True`` when a new snapshot took effect."""
@@ -195,5 +148,5 @@ class ConfigWatcher:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.poll_once()
-            except Exception:  # a watcher bug must not stop reloads forever
-                log.exception("config watcher iteration failed")
+            except Exception:  # a reloader bug must not stop reloads forever
+                log.exception("config reload iteration failed")
