@@ -21,7 +21,10 @@ engine, the ratio plugin/stock of the medians and the spread (min..max of the pe
 Target: CPU-throughput ratio >= 0.97.
 
     .venv/bin/python benchmarks/plugin_overhead.py                  # defaults: 7 rounds of 96 requests
-    .venv/bin/python benchmarks/plugin_overhead.py --rounds 7 --json out.json
+    .venv/bin/python benchmarks/plugin_overhead.py --workload mixed
+
+Results file: ``--results`` (default ``benchmarks/results/plugin_overhead_<workload>.json``): per engine the
+median tokens per wall and per CPU second, the ratio of the medians and the per-round ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from results_format import (
+    Figure,
+    Machine,
+    command_line,
+    default_path,
+    measured,
+    name_of,
+    write_results,
+)
 
 from kvfleet_runtime.config import (
     Isolation,
@@ -204,8 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=96, help="--num-gpu-blocks-override (small: evictions)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", choices=["same", "mixed"], default="same")
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="write the results file here (default: benchmarks/results/plugin_overhead_<workload>.json)",
+    )
     args = parser.parse_args(argv)
+    results = args.results or default_path(f"plugin_overhead_{args.workload}")
+    load_at_start = os.getloadavg()[0]
 
     model = build_tiny_model()
     work = Path(tempfile.mkdtemp(prefix="kvfleet-bench-"))
@@ -234,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu: dict[str, list[float]] = {"plugin": [], "stock": []}
         wall_ratios: list[float] = []
         cpu_ratios: list[float] = []
+        cached: set[int] = set()
         for r in range(args.rounds):
             order = ["plugin", "stock"] if r % 2 == 0 else ["stock", "plugin"]
             this: dict[str, tuple[float, float, int]] = {}
@@ -243,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 wall[name].append(this[name][0])
                 cpu[name].append(this[name][1])
+            cached.update(this[name][2] for name in order)
             wall_ratios.append(this["plugin"][0] / this["stock"][0])
             cpu_ratios.append(this["plugin"][1] / this["stock"][1])
             print(
@@ -271,8 +293,21 @@ def main(argv: list[str] | None = None) -> int:
                 "round_ratio_max": max(ratios),
             }
         print(json.dumps(summary, indent=2))
-        if args.json:
-            args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        figures: dict[str, Figure] = {}
+        for label, values, ratios, unit in (
+            ("wall", wall, wall_ratios, "tok/s"),
+            ("cpu", cpu, cpu_ratios, "tok/CPU-s"),
+        ):
+            figures[f"{label}.plugin"] = Figure.of(values["plugin"], unit)
+            figures[f"{label}.stock"] = Figure.of(values["stock"], unit)
+            ratio = statistics.median(values["plugin"]) / statistics.median(values["stock"])
+            figures[f"{label}.ratio_of_medians"] = Figure.single(ratio, "ratio")
+            figures[f"{label}.round_ratio"] = Figure.of(ratios, "ratio")
+        details = {k: v for k, v in summary.items() if k not in {"wall", "cpu"}}
+        if len(cached) == 1:  # both engines cached the same tokens in every round: they did the same work
+            details["cached_tokens_per_round"] = cached.pop()
+        run = measured(name_of(results), command_line(), figures, Machine.here(load_at_start), details)
+        write_results(run, results)
         cpu_summary = summary["cpu"]
         assert isinstance(cpu_summary, dict)
         return 0 if cpu_summary["ratio_of_medians"] >= 0.97 else 1

@@ -8,7 +8,8 @@ Reports the median and p90 of both and their difference.
 
 Needs the engine installed (``hack/install-engine.sh``) and the tiny model (built on first use).
 
-Run: ``.venv/bin/python benchmarks/gateway/ttft_vllm.py --requests 40 --out benchmarks/gateway/ttft.json``
+Run: ``.venv/bin/python benchmarks/gateway/ttft_vllm.py --requests 40`` (results file: ``--results``, by
+default ``benchmarks/results/gateway_ttft.json``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the results format
+
+from results_format import (
+    Figure,
+    Machine,
+    Results,
+    add_results_argument,
+    command_line,
+    measured,
+    name_of,
+    write_results,
+)
 
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
@@ -136,6 +150,17 @@ async def measure(args: argparse.Namespace, engine_url: str, model: str, workdir
     }
 
 
+def to_results(result: dict[str, Any], name: str, command: str, machine: Machine) -> Results:
+    """The results file of one ``measure()`` result: p50/p90 direct, through the gateway, and added."""
+    figures = {}
+    for path in ("direct", "gateway"):
+        for q in ("p50", "p90"):
+            figures[f"{path}.{q}"] = Figure(unit="ms", median=result[path][f"{q}_ms"], runs=result[path]["n"])
+    for q in ("p50", "p90"):
+        figures[f"added.{q}"] = Figure.single(result[f"added_{q}_ms"], "ms")
+    return measured(name, command, figures, machine, details=dict(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -143,8 +168,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="requests per path")
     parser.add_argument("--prompt-words", type=int, default=100)
     parser.add_argument("--startup-timeout", type=float, default=420.0)
-    parser.add_argument("--out", type=Path, default=None)
+    add_results_argument(parser, "gateway_ttft")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
     model_dir = build_tiny_model()
     with tempfile.TemporaryDirectory(prefix="kvfleet-ttft-") as tmp:
         work = Path(tmp)
@@ -159,8 +185,8 @@ def main() -> None:
             result = asyncio.run(measure(args, engine_url, "tiny", work))
         finally:
             proc.stop()
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    machine = Machine.here(load_at_start)
+    write_results(to_results(result, name_of(args.results), command_line(), machine), args.results)
     print(json.dumps(result, indent=2))
 
 
