@@ -38,8 +38,8 @@ from kvfleet_runtime.kv.sizing import (
     compute_weight_bytes_per_gpu,
     compute_workload_needs,
     kv_cache_dtype_bytes,
+    parse_byte_size,
     parse_count,
-    parse_quantity,
     parse_share,
     parse_token_count,
     resolve_kv_cache_dtype,
@@ -159,7 +159,7 @@ def test_qwen_72b_fp8_on_8_h200_like_the_example() -> None:
     assert compute_kv_bytes_per_token_per_gpu(QWEN72, "fp8_e5m2", 8) == 20_480
     cap = compute_replica_capacity(
         QWEN72,
-        gpu_memory_bytes=parse_quantity("141Gi"),
+        gpu_memory_bytes=parse_byte_size("141Gi"),
         gpu_memory_utilization="0.92",
         kv_cache_dtype="fp8_e5m2",
         tensor_parallel=8,
@@ -263,7 +263,7 @@ def test_weight_dtypes() -> None:
 def test_workload_tiers_and_replicas_needed() -> None:
     cap = compute_replica_capacity(
         QWEN72,
-        gpu_memory_bytes=parse_quantity("141Gi"),
+        gpu_memory_bytes=parse_byte_size("141Gi"),
         gpu_memory_utilization="0.92",
         kv_cache_dtype="fp8_e5m2",
         tensor_parallel=8,
@@ -276,8 +276,8 @@ def test_workload_tiers_and_replicas_needed() -> None:
         context_tokens=131_072,
         kv_cache_dtype="fp8_e5m2",
         tensor_parallel=8,
-        cpu_tier_bytes_per_replica=parse_quantity("256Gi"),
-        nvme_tier_bytes_per_replica=parse_quantity("2Ti"),
+        cpu_tier_bytes_per_replica=parse_byte_size("256Gi"),
+        nvme_tier_bytes_per_replica=parse_byte_size("2Ti"),
     )
     session = 131_072 * 163_840  # 20 GiB per session offloaded
     assert session == 20 * GiB
@@ -318,18 +318,18 @@ def test_quota_conversions() -> None:
 # ---------------------------------------------------------------------------------------- quantities
 
 
-def test_parse_quantity() -> None:
-    assert parse_quantity("141GB") == 141 * 10**9
-    assert parse_quantity("141G") == 141 * 10**9
-    assert parse_quantity("80GiB") == 80 * 2**30
-    assert parse_quantity("256Gi") == 256 * 2**30
-    assert parse_quantity("2Ti") == 2 * 2**40
-    assert parse_quantity("1.5T") == 1_500_000_000_000
-    assert parse_quantity("1073741824") == GiB
-    assert parse_quantity(" 512 MiB ") == 512 * 2**20
+def test_parse_byte_size() -> None:
+    assert parse_byte_size("141GB") == 141 * 10**9
+    assert parse_byte_size("141G") == 141 * 10**9
+    assert parse_byte_size("80GiB") == 80 * 2**30
+    assert parse_byte_size("256Gi") == 256 * 2**30
+    assert parse_byte_size("2Ti") == 2 * 2**40
+    assert parse_byte_size("1.5T") == 1_500_000_000_000
+    assert parse_byte_size("1073741824") == GiB
+    assert parse_byte_size(" 512 MiB ") == 512 * 2**20
     for bad in ("", "12XB", "-1Gi", "Gi", "1,5Gi", "1e9"):
         with pytest.raises(SizingError, match="bad byte quantity"):
-            parse_quantity(bad)
+            parse_byte_size(bad)
 
 
 def test_parse_counts_and_tokens() -> None:
@@ -430,7 +430,7 @@ def test_build_plan_wires_everything() -> None:
         architecture=QWEN72,
         kv_cache_dtype=KVCacheDtype.FP8_E5M2,
         tensor_parallel=8,
-        gpu_memory_bytes=parse_quantity("141Gi"),
+        gpu_memory_bytes=parse_byte_size("141Gi"),
         gpu_memory_utilization=Fraction(92, 100),
         replicas=2,
         context_tokens=131_072,

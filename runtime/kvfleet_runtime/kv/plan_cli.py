@@ -32,9 +32,9 @@ from kvfleet_runtime.kv.sizing import (
     build_plan,
     format_bytes,
     format_validation_error,
+    parse_byte_size,
     parse_count,
     parse_kv_cache_dtype,
-    parse_quantity,
     parse_token_count,
     parse_weight_dtype,
 )
@@ -112,17 +112,17 @@ def build_plan_request(args: argparse.Namespace) -> PlanRequest:
         block_size=_positive(args.block_size, "--block-size"),
         tensor_parallel=tp,
         pipeline_parallel=pp,
-        gpu_memory_bytes=parse_quantity(args.gpu_memory),
+        gpu_memory_bytes=parse_byte_size(args.gpu_memory),
         gpu_memory_utilization=_fraction(args.gpu_memory_utilization, "--gpu-memory-utilization"),
-        reserve_bytes_per_gpu=parse_quantity(args.reserve),
+        reserve_bytes_per_gpu=parse_byte_size(args.reserve),
         weight_bytes_per_gpu=None
         if args.weight_bytes_per_gpu is None
-        else parse_quantity(args.weight_bytes_per_gpu),
+        else parse_byte_size(args.weight_bytes_per_gpu),
         replicas=_positive(args.replicas, "--replicas"),
         context_tokens=None if args.context is None else _positive(args.context, "--context", tokens=True),
         sessions=None if args.sessions is None else parse_count(args.sessions),
-        cpu_tier_bytes_per_replica=None if args.cpu_tier is None else parse_quantity(args.cpu_tier),
-        nvme_tier_bytes_per_replica=None if args.nvme_tier is None else parse_quantity(args.nvme_tier),
+        cpu_tier_bytes_per_replica=None if args.cpu_tier is None else parse_byte_size(args.cpu_tier),
+        nvme_tier_bytes_per_replica=None if args.nvme_tier is None else parse_byte_size(args.nvme_tier),
         pcie_gbps=_fraction(args.pcie_gbps, "--pcie-gbps"),
         nvme_gbps=_fraction(args.nvme_gbps, "--nvme-gbps"),
     )

@@ -32,7 +32,7 @@ from kvfleet_runtime.kv.sizing import (
     SizingError,
     build_plan,
     format_validation_error,
-    parse_quantity,
+    parse_byte_size,
     parse_token_count,
 )
 from kvfleet_runtime.kv.workloads import (
@@ -160,8 +160,8 @@ def build_fleet_spec(args: argparse.Namespace) -> FleetSpec:
         args.replicas = args.replicas or "1"
         plan = build_plan(build_plan_request(args))
         per_token = plan.kv_per_token.offload_bytes
-        cpu = parse_quantity(args.cpu_tier) if args.cpu_tier else 0
-        nvme = parse_quantity(args.nvme_tier) if args.nvme_tier else 0
+        cpu = parse_byte_size(args.cpu_tier) if args.cpu_tier else 0
+        nvme = parse_byte_size(args.nvme_tier) if args.nvme_tier else 0
         return FleetSpec(
             replicas=plan.engine.replicas,
             unit_tokens=unit,
@@ -174,7 +174,7 @@ def build_fleet_spec(args: argparse.Namespace) -> FleetSpec:
             nvme_gbps=float(args.nvme_gbps),
             **common,
         )
-    per_token = parse_quantity(args.kv_bytes_per_token)
+    per_token = parse_byte_size(args.kv_bytes_per_token)
     if args.tenant_table and not args.hbm_tokens:
         pool = _table_pool(args)
         if (pool.cpu_bytes_per_replica or pool.nvme_bytes_per_replica) and not per_token:

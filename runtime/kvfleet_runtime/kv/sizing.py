@@ -338,11 +338,13 @@ def _parse_scaled(text: str | int, units: dict[str, int], what: str, example: st
     return math.floor(value)
 
 
-def parse_quantity(text: str | int) -> int:
+def parse_byte_size(text: str | int) -> int:
     """Bytes for ``141GB``, ``80GiB``, ``256Gi``, ``2Ti``, ``1.5T``, ``1073741824`` (floored to a byte).
 
-    Decimal suffixes (K, M, G, T, P with or without B) are powers of 1000; binary ones (Ki..Pi, KiB..PiB)
-    powers of 1024, as in Kubernetes quantities.
+    The sizes people write on command lines and spec sheets: decimal suffixes (K, M, G, T, P with or
+    without B) are powers of 1000; binary ones (Ki..Pi, KiB..PiB) powers of 1024; any case. Not the CRDs'
+    grammar: Kubernetes quantities in a manifest (``256Gi``, case-sensitive, rounded up) are the operator's
+    ``api.units.parse_quantity``.
     """
     return _parse_scaled(text, _BYTE_UNITS, "byte quantity", "141GB, 80GiB, 256Gi, 2Ti")
 
