@@ -9,7 +9,7 @@ replicas, so N replicas admit up to N times the configured rates):
   exceeds a whole minute of budget is admitted only when the bucket is full and leaves it in debt, so it
   is never refused forever.
 * Token cost is estimated before the engine answers (prompt estimate + ``max_tokens``) and reconciled
-  with the engine's ``usage`` when the answer is complete (``Admission.reconcile_tokens``).
+  with the engine's ``usage`` when the answer is complete (``GateSlot.reconcile_tokens``).
 * ``max_concurrent`` requests and a KV budget (sum of prompt + max_tokens of admitted requests, at most
   the tenant's burst limit ``hbm_burst_blocks x block_size``) bound what is in flight. A request that does
   not fit waits in a FIFO queue of bounded length for a bounded time; a full queue or a timed-out wait is
@@ -99,8 +99,10 @@ class _Waiter:
     kv_tokens: int
 
 
-class Admission:
-    """A granted slot. ``release`` exactly once (idempotent) when the request is finished."""
+class GateSlot:
+    """A granted slot in a tenant's gate (what ``TenantGate.acquire`` returns).
+
+    ``release`` exactly once (idempotent) when the request is finished."""
 
     __slots__ = ("_gate", "_released", "kv_tokens", "queued_s", "token_estimate")
 
@@ -176,7 +178,7 @@ class TenantGate:
         if self.tpm is not None:
             self.tpm.adjust(-token_estimate)
 
-    async def acquire(self, token_estimate: int, kv_tokens: int) -> Admission:
+    async def acquire(self, token_estimate: int, kv_tokens: int) -> GateSlot:
         """Admit a request or raise ``Throttled``; may wait in the tenant's queue (bounded)."""
         if self.rpm is not None:
             wait = self.rpm.try_take(1)
@@ -200,7 +202,7 @@ class TenantGate:
         blocker = self._blocker(kv_tokens)
         if blocker is None and not self._waiters:
             self._grant(kv_tokens)
-            return Admission(self, kv_tokens, token_estimate, 0.0)
+            return GateSlot(self, kv_tokens, token_estimate, 0.0)
         reason = blocker or "concurrency"
         if self.queued >= self.limits.max_queue:
             self._refund(token_estimate)
@@ -214,7 +216,7 @@ class TenantGate:
         except TimeoutError:
             if future.done() and not future.cancelled():
                 # Granted in the same loop iteration the timeout fired: keep the slot.
-                return Admission(self, kv_tokens, token_estimate, self._clock() - start)
+                return GateSlot(self, kv_tokens, token_estimate, self._clock() - start)
             self._refund(token_estimate)
             raise Throttled(
                 reason,
@@ -228,7 +230,7 @@ class TenantGate:
                 future.cancel()
             self._refund(token_estimate)
             raise
-        return Admission(self, kv_tokens, token_estimate, self._clock() - start)
+        return GateSlot(self, kv_tokens, token_estimate, self._clock() - start)
 
     def _queue_message(self, reason: str, what: str) -> str:
         if reason == "concurrency":

@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet_runtime.gateway import metrics as m
-from kvfleet_runtime.gateway.admission import Admission, GateLimits, TenantGate, Throttled
+from kvfleet_runtime.gateway.admission import GateLimits, GateSlot, TenantGate, Throttled
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.rewrite import (
     BadRequest,
@@ -472,7 +472,7 @@ class Gateway:
         endpoint: Endpoint,
         tenant: TenantRuntime,
         parsed: ParsedRequest,
-        admission: Admission,
+        admission: GateSlot,
         series: RequestSeries,
         arrived: float,
     ) -> tuple[web.StreamResponse, str]:
