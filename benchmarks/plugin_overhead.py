@@ -54,6 +54,7 @@ from results_format import (
 )
 
 from kvfleet_runtime.config import (
+    EngineSettings,
     Isolation,
     KeyFile,
     KVQuota,
@@ -67,7 +68,8 @@ from kvfleet_runtime.config import (
 )
 from kvfleet_runtime.engine.launcher import (
     EngineProcess,
-    VllmSettings,
+    EngineReplica,
+    ReplicaSite,
     build_vllm_args,
     build_vllm_env,
     compute_max_model_len,
@@ -147,18 +149,21 @@ def start_server(
     name: str, model: Path, work: Path, blocks: int, env_extra: dict[str, str]
 ) -> tuple[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    settings = VllmSettings(
-        model=str(model),
-        port=free_port(),
+    replica = EngineReplica(
+        EngineSettings(
+            model=str(model),
+            port=free_port(),
+            num_gpu_blocks_override=blocks,
+            max_model_len=compute_max_model_len(blocks, BLOCK, TinyModelSpec().max_position_embeddings),
+            extra_args=["--enforce-eager"],
+        ),
         served_model_name="tiny",
-        num_gpu_blocks_override=blocks,
-        max_model_len=compute_max_model_len(blocks, BLOCK, TinyModelSpec().max_position_embeddings),
-        extra_args=("--enforce-eager",),
-        extra_env={"VLLM_SERVER_DEV_MODE": "1", **env_extra},
+        block_size=BLOCK,
+        site=ReplicaSite(env={"VLLM_SERVER_DEV_MODE": "1", **env_extra}),
     )
-    env = build_vllm_env(settings, os.environ, work)
-    proc = EngineProcess(name, build_vllm_args(settings, sys.executable), env, work / "log")
-    base = f"http://127.0.0.1:{settings.port}"
+    env = build_vllm_env(replica, os.environ, work)
+    proc = EngineProcess(name, build_vllm_args(replica, sys.executable), env, work / "log")
+    base = replica.vllm_url
     startup = proc.wait_ready(base + "/health", 900)
     print(f"{name}: ready in {startup:.0f} s", flush=True)
     return base, proc

@@ -3,18 +3,17 @@
 Registered from ``tests/conftest.py`` (``pytest_plugins``). The engine comes from
 ``hack/install-engine.sh`` and the tiny model from ``kvfleet engine build-tiny-model`` (both run by
 ``hack/provision.d/20-engine.sh``, i.e. by ``make test``); when either is missing the fixtures call
-``missing_component`` (skip outside CI, fail with ``CI=true``).
+``missing_component`` (fails naming it; skips only with ``KVFLEET_ALLOW_MISSING=1``).
 
 Fixtures:
 
 * ``tiny_model`` (session) -> ``Path``: the tiny Llama (built on first use if the engine is installed).
 * ``lmcache_factory`` (session) -> ``start(*, cpu_size_gb=0.25, nvme=True, chunk_size=256,
-  l2_eviction_ratio=0.2, extra_args=(), extra_env=None) -> LMCacheServer``: one ``lmcache server`` per
-  call, through kvfleet's wrapper (L1 CPU with LMCache's LRU, or governed per tenant when ``extra_env``
+  extra_env=None) -> LMCacheServer``: one ``lmcache server`` per call, through kvfleet's wrapper and the
+  launcher's ``build_lmcache_args`` (L1 CPU with LMCache's LRU, or governed per tenant when ``extra_env``
   holds ``build_plugin_env``'s variables; optional ``fs`` L2 "NVMe" tier with ``IsolatedLRU`` per-salt
-  quotas). Servers are stopped at
-  session end, or earlier with ``server.stop()``; the ``/dev/shm`` files LMCache leaves behind are
-  removed.
+  quotas). Servers are stopped at session end, or earlier with ``server.stop()``; the ``/dev/shm`` files
+  LMCache leaves behind are removed.
 * ``vllm_factory`` (session) -> ``start(*, num_gpu_blocks_override=None, max_model_len=None,
   kv_cache_gib=1.0, lmcache=None, enforce_eager=True, extra_args=(), extra_env=None,
   served_model_name="tiny") -> VllmServer``: one vLLM OpenAI server per call on a free loopback port
@@ -24,6 +23,10 @@ Fixtures:
   ``server.stop()``.
 * ``vllm_server`` (session) -> ``VllmServer``: a default instance for tests that can share one (never
   change its global state: no LMCache, 1 GiB of KV).
+
+``render_engine(md_doc)`` runs the operator's real builders on a ModelDeployment (with the example
+tenants of ``examples/local``) and returns what an engine pod gets: the tenant table of the ConfigMap,
+the key file and the engine container's command line.
 
 Startup takes 30-150 s on a loaded 2-core machine; every start is recorded and printed in the terminal
 summary ("engine startup times"). ``KVFLEET_ENGINE_TIMEOUT`` (seconds, default 420) bounds each wait.
@@ -45,13 +48,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from conftest import missing_component
-from kvfleet_runtime.engine.launcher import (
-    EngineProcess,
-    LMCacheConnection,
+from kvfleet_operator.api import ModelDeployment, Tenant
+from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
+from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
+from kvfleet_runtime.config import (
+    DEFAULT_LMCACHE_CHUNK_TOKENS,
+    EngineSettings,
+    KeyFile,
     LMCacheSettings,
-    VllmSettings,
+    TenantTable,
+)
+from kvfleet_runtime.engine.launcher import (
+    GIB,
+    EngineProcess,
+    EngineReplica,
+    ReplicaSite,
     build_lmcache_args,
     build_vllm_args,
     build_vllm_env,
@@ -66,6 +80,49 @@ TINY_MAX_MODEL_LEN = TinyModelSpec().max_position_embeddings
 
 #: (name, seconds) of every engine start in this session, for the terminal summary.
 STARTUP_TIMES: list[tuple[str, float]] = []
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: The CPU demo's ModelDeployment: the tiny model on vLLM-CPU with a 256Mi LMCache CPU tier.
+TINY_MODEL_DEPLOYMENT = EXAMPLES / "local" / "modeldeployment-tiny.yaml"
+
+
+def load_manifest(path: Path, **metadata: Any) -> dict[str, Any]:
+    """A manifest from ``examples/``, with ``metadata`` added (uid, creationTimestamp: what the API
+    server would set)."""
+    doc: dict[str, Any] = yaml.safe_load(path.read_text())
+    doc["metadata"].update(metadata)
+    return doc
+
+
+@dataclass(frozen=True)
+class RenderedEngine:
+    """What the operator renders for the shared pool of one ModelDeployment."""
+
+    table: TenantTable
+    keys: KeyFile
+    #: The engine container's command: ``kvfleet engine launch ...``.
+    command: list[str]
+
+
+def render_engine(md_doc: dict[str, Any]) -> RenderedEngine:
+    """The operator's real builders on ``md_doc`` and the tenants of ``examples/local``."""
+    md = ModelDeployment.model_validate(md_doc)
+    tenants = [
+        Tenant.model_validate(
+            load_manifest(path, uid=f"uid-{i}", creationTimestamp=f"2026-01-01T00:00:0{i}Z")
+        )
+        for i, path in enumerate(sorted((EXAMPLES / "local").glob("tenant-*.yaml")))
+    ]
+    capacity = compute_pool_capacity(md)
+    keys = KeyFile(salt_key_hex="ab" * 32, key_hashes={})
+    images = OperatorImages(engine="kvfleet-engine:test", gateway="kvfleet-gateway:test")
+    children = build_desired_children(md, capacity, tenants, admit_tenants(capacity, tenants), keys, images)
+    config_map = next(c for c in children if c["kind"] == "ConfigMap")
+    statefulset = next(c for c in children if c["kind"] == "StatefulSet")
+    table = TenantTable.model_validate_json(config_map["data"]["tenants.json"])
+    return RenderedEngine(
+        table, keys, list(statefulset["spec"]["template"]["spec"]["containers"][0]["command"])
+    )
 
 
 def free_port() -> int:
@@ -98,16 +155,19 @@ def require_engine() -> None:
 class LMCacheServer:
     """A running ``lmcache server``: ZMQ port for vLLM, HTTP API (quotas, clear, /metrics)."""
 
-    port: int
+    settings: LMCacheSettings
     http_url: str
     nvme_dir: Path | None
-    chunk_size: int
     startup_s: float
     process: EngineProcess
 
     @property
-    def connection(self) -> LMCacheConnection:
-        return LMCacheConnection(host="127.0.0.1", port=self.port)
+    def port(self) -> int:
+        return self.settings.port
+
+    @property
+    def chunk_size(self) -> int:
+        return self.settings.chunk_size
 
     def metrics(self) -> str:
         return http_text(self.http_url + "/metrics")
@@ -126,7 +186,7 @@ class VllmServer:
     model_dir: Path
     startup_s: float
     process: EngineProcess
-    settings: VllmSettings
+    replica: EngineReplica
     lmcache: LMCacheServer | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -175,9 +235,7 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
         *,
         cpu_size_gb: float = 0.25,
         nvme: bool = True,
-        chunk_size: int = 256,
-        l2_eviction_ratio: float = 0.2,
-        extra_args: Sequence[str] = (),
+        chunk_size: int = DEFAULT_LMCACHE_CHUNK_TOKENS,
         extra_env: Mapping[str, str] | None = None,
     ) -> LMCacheServer:
         n = len(started)
@@ -189,18 +247,17 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
         settings = LMCacheSettings(
             port=free_port(),
             http_port=free_port(),
-            cpu_size_gb=cpu_size_gb,
-            nvme_dir=str(nvme_dir) if nvme_dir else None,
+            cpu_bytes=round(cpu_size_gb * GIB),
+            nvme_path=str(nvme_dir) if nvme_dir else None,
             chunk_size=chunk_size,
-            l2_eviction_ratio=l2_eviction_ratio,
-            extra_args=tuple(extra_args),
         )
         env = {**os.environ, "TMPDIR": str(work), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-        proc = EngineProcess(f"lmcache-{n}", build_lmcache_args(settings, sys.executable), env, work / "log")
+        argv = build_lmcache_args(settings, "127.0.0.1", sys.executable)
+        proc = EngineProcess(f"lmcache-{n}", argv, env, work / "log")
         http_url = f"http://127.0.0.1:{settings.http_port}"
         startup = proc.wait_ready(http_url + "/healthcheck", ENGINE_TIMEOUT)
         STARTUP_TIMES.append((f"lmcache-{n}", startup))
-        server = LMCacheServer(settings.port, http_url, nvme_dir, chunk_size, startup, proc)
+        server = LMCacheServer(settings, http_url, nvme_dir, startup, proc)
         started.append(server)
         return server
 
@@ -232,27 +289,35 @@ def vllm_factory(
         n = len(started)
         work = engine_state_dir / f"vllm-{n}"
         work.mkdir(parents=True)
-        args = tuple(extra_args) + (("--enforce-eager",) if enforce_eager else ())
+        args = [*extra_args, *(["--enforce-eager"] if enforce_eager else [])]
         if num_gpu_blocks_override is not None and max_model_len is None:
             max_model_len = compute_max_model_len(num_gpu_blocks_override, 32, TINY_MAX_MODEL_LEN)
-        settings = VllmSettings(
-            model=str(tiny_model),
-            port=free_port(),
+        replica = EngineReplica(
+            EngineSettings(
+                model=str(tiny_model),
+                port=free_port(),
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                max_model_len=max_model_len,
+                lmcache=lmcache.settings if lmcache else None,
+                extra_args=args,
+            ),
             served_model_name=served_model_name,
-            cpu_kv_cache_gib=kv_cache_gib,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            max_model_len=max_model_len,
-            lmcache=lmcache.connection if lmcache else None,
-            extra_args=args,
-            extra_env=dict(extra_env or {}),
+            block_size=32,
+            site=ReplicaSite(cpu_kv_cache_gib=kv_cache_gib, env=dict(extra_env or {})),
         )
-        env = build_vllm_env(settings, os.environ, work)
-        proc = EngineProcess(f"vllm-{n}", build_vllm_args(settings, sys.executable), env, work / "log")
-        base_url = f"http://127.0.0.1:{settings.port}"
-        startup = proc.wait_ready(base_url + "/health", ENGINE_TIMEOUT)
+        env = build_vllm_env(replica, os.environ, work)
+        proc = EngineProcess(f"vllm-{n}", build_vllm_args(replica, sys.executable), env, work / "log")
+        startup = proc.wait_ready(replica.vllm_url + "/health", ENGINE_TIMEOUT)
         STARTUP_TIMES.append((f"vllm-{n}" + ("+lmcache" if lmcache else ""), startup))
         server = VllmServer(
-            base_url, settings.port, served_model_name, tiny_model, startup, proc, settings, lmcache
+            replica.vllm_url,
+            replica.engine.port,
+            served_model_name,
+            tiny_model,
+            startup,
+            proc,
+            replica,
+            lmcache,
         )
         started.append(server)
         return server

@@ -45,6 +45,7 @@ from results_format import (
 
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
+    EngineSettings,
     Isolation,
     KeyFile,
     KVQuota,
@@ -55,7 +56,12 @@ from kvfleet_runtime.config import (
     dump_json,
     hash_api_key,
 )
-from kvfleet_runtime.engine.launcher import EngineProcess, VllmSettings, build_vllm_args, build_vllm_env
+from kvfleet_runtime.engine.launcher import (
+    EngineProcess,
+    EngineReplica,
+    build_vllm_args,
+    build_vllm_env,
+)
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
 from kvfleet_runtime.gateway.server import GatewaySettings, running_gateway
 
@@ -174,13 +180,15 @@ def main() -> None:
     model_dir = build_tiny_model()
     with tempfile.TemporaryDirectory(prefix="kvfleet-ttft-") as tmp:
         work = Path(tmp)
-        settings = VllmSettings(
-            model=str(model_dir), port=free_port(), served_model_name="tiny", extra_args=("--enforce-eager",)
+        replica = EngineReplica(
+            EngineSettings(model=str(model_dir), port=free_port(), extra_args=["--enforce-eager"]),
+            served_model_name="tiny",
+            block_size=32,
         )
-        env = build_vllm_env(settings, os.environ, work)
-        proc = EngineProcess("vllm", build_vllm_args(settings, sys.executable), env, work / "vllm.log")
+        env = build_vllm_env(replica, os.environ, work)
+        proc = EngineProcess("vllm", build_vllm_args(replica, sys.executable), env, work / "vllm.log")
         try:
-            engine_url = f"http://127.0.0.1:{settings.port}"
+            engine_url = replica.vllm_url
             proc.wait_ready(engine_url + "/health", args.startup_timeout)
             result = asyncio.run(measure(args, engine_url, "tiny", work))
         finally:

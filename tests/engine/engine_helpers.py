@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from kvfleet_runtime.config import (
+    DEFAULT_LMCACHE_CHUNK_TOKENS,
     Isolation,
     KeyFile,
     KVQuota,
@@ -19,7 +20,8 @@ from kvfleet_runtime.config import (
 BLOCK = 32
 #: The tiny model's KV bytes per token (2 layers x K,V x 2 KV heads x 32 dims x 2 bytes).
 KV_BYTES_PER_TOKEN = 512
-LMCACHE_CHUNK_TOKENS = 256
+#: Every engine test's LMCache runs with the default chunk (the fixture's ``chunk_size``).
+LMCACHE_CHUNK_TOKENS = DEFAULT_LMCACHE_CHUNK_TOKENS
 LMCACHE_CHUNK_BYTES = LMCACHE_CHUNK_TOKENS * KV_BYTES_PER_TOKEN
 SALT_KEY_HEX = "ab" * 32
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import start_http_server
 
-from kvfleet_runtime.config import KeyFile, TenantTable
+from kvfleet_runtime.config import ENGINE_PORT, LMCACHE_HTTP_PORT, LMCACHE_PORT, KeyFile, TenantTable
 from kvfleet_runtime.config_watch import RuntimeConfigWatcher
 from kvfleet_runtime.engine import launcher, restore_bench
 from kvfleet_runtime.engine import lmcache_sync as ls
@@ -62,17 +62,33 @@ def register(subparsers: Any) -> None:
     bench.set_defaults(func=_bench_restore)
 
     launch = sub.add_parser(
-        "launch", help="Start LMCache (if the pool has CPU/NVMe tiers), vLLM and the quota sync."
+        "launch", help="Start LMCache (if the pool has LMCache settings), vLLM and the quota sync."
     )
     _add_config_args(launch)
-    launch.add_argument("--model", required=True, help="Model folder or name for vLLM.")
-    launch.add_argument("--host", default="127.0.0.1")
-    launch.add_argument("--port", type=int, default=8000, help="vLLM OpenAI port.")
     launch.add_argument(
-        "--lmcache-port", type=int, default=5555, help="LMCache ZMQ port (vLLM connects here)."
+        "--model", default=None, help="Model folder or name for vLLM (default: the pool's engine.model)."
     )
-    launch.add_argument("--lmcache-http-port", type=int, default=8080, help="LMCache HTTP API port.")
-    launch.add_argument("--nvme-dir", default=None, help="Folder for LMCache's NVMe (L2) tier.")
+    launch.add_argument("--host", default="127.0.0.1")
+    launch.add_argument(
+        "--port", type=int, default=None, help=f"vLLM OpenAI port (default: the pool's, {ENGINE_PORT})."
+    )
+    launch.add_argument(
+        "--lmcache-port",
+        type=int,
+        default=None,
+        help=f"LMCache ZMQ port, where vLLM connects (default: the pool's, {LMCACHE_PORT}).",
+    )
+    launch.add_argument(
+        "--lmcache-http-port",
+        type=int,
+        default=None,
+        help=f"LMCache HTTP API port (default: the pool's, {LMCACHE_HTTP_PORT}).",
+    )
+    launch.add_argument(
+        "--nvme-dir",
+        default=None,
+        help="Folder for LMCache's NVMe (L2) tier (default: the pool's nvme_path).",
+    )
     launch.add_argument(
         "--cpu-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE for the CPU build."
     )
@@ -159,66 +175,72 @@ async def _run_until_signal(
     )
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    # Until the sync loop installs its own handler: unwind through ``finally`` so the children stop too.
+    raise SystemExit(128 + signum)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    table, keys = TenantTable.load(args.config), KeyFile.load(args.keys)
-    KeyFile.model_validate(keys)
+
+def resolve_launch(args: argparse.Namespace, table: TenantTable) -> tuple[str, launcher.EngineReplica]:
+    """The pool and the replica ``kvfleet engine launch`` starts for its flags and ``table``: all the
+    command reads of the table (``_launch`` starts what this returns, nothing else)."""
     pool = args.pool or next(iter(table.pools))
-    vllm, lmc = launcher.build_pool_engine_settings(
-        table,
-        pool,
-        model=args.model,
-        vllm_port=args.port,
-        lmcache_port=args.lmcache_port,
-        lmcache_http_port=args.lmcache_http_port,
-        nvme_dir=args.nvme_dir,
-        host=args.host,
-        model_max_len=launcher.read_model_max_len(args.model),
-    )
-    extra = [a for a in args.vllm_args if a != "--"]
     plugin_env = (
         {}
         if args.no_plugin
         else launcher.build_plugin_env(args.config, args.keys, pool, args.plugin_metrics_port)
     )
-    vllm = replace(
-        vllm,
-        extra_args=vllm.extra_args + tuple(extra),
-        cpu_kv_cache_gib=args.cpu_kv_gib if args.cpu_kv_gib is not None else vllm.cpu_kv_cache_gib,
-        extra_env={**vllm.extra_env, **plugin_env},
+    site = launcher.ReplicaSite(host=args.host, env=plugin_env)
+    if args.cpu_kv_gib is not None:
+        site = dataclasses.replace(site, cpu_kv_cache_gib=args.cpu_kv_gib)
+    replica = launcher.resolve_replica(
+        table,
+        pool,
+        site,
+        model=args.model,
+        vllm_port=args.port,
+        lmcache_port=args.lmcache_port,
+        lmcache_http_port=args.lmcache_http_port,
+        nvme_dir=args.nvme_dir,
+        extra_vllm_args=[a for a in args.vllm_args if a != "--"],
+        model_limit_of=launcher.read_model_max_len,
     )
+    return pool, replica
+
+
+def _launch(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    table = TenantTable.load(args.config)
+    KeyFile.load(args.keys)  # fail before starting anything when the key file is unreadable or invalid
+    pool, replica = resolve_launch(args, table)
+    lmc, lmcache_url = replica.engine.lmcache, replica.lmcache_url
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="kvfleet-engine-"))
     state_dir.mkdir(parents=True, exist_ok=True)
     procs: list[launcher.EngineProcess] = []
     try:
-        if lmc is not None:
+        if lmc is not None and lmcache_url is not None:
             # The same tenant environment turns on LMCache's per-tenant L1 governance.
             proc = launcher.EngineProcess(
                 "lmcache",
-                launcher.build_lmcache_args(lmc),
-                {**os.environ, **plugin_env},
+                launcher.build_lmcache_args(lmc, replica.site.host),
+                {**os.environ, **replica.site.env},
                 state_dir / "lmcache.log",
             )
             procs.append(proc)
-            proc.wait_ready(f"http://{lmc.host}:{lmc.http_port}/healthcheck", args.startup_timeout)
-        env = launcher.build_vllm_env(vllm, os.environ, state_dir)
-        proc = launcher.EngineProcess("vllm", launcher.build_vllm_args(vllm), env, state_dir / "vllm.log")
+            proc.wait_ready(f"{lmcache_url}/healthcheck", args.startup_timeout)
+        env = launcher.build_vllm_env(replica, os.environ, state_dir)
+        proc = launcher.EngineProcess("vllm", launcher.build_vllm_args(replica), env, state_dir / "vllm.log")
         procs.append(proc)
-        waited = proc.wait_ready(f"http://{vllm.host}:{vllm.port}/health", args.startup_timeout)
-        print(
-            f"vLLM ready on http://{vllm.host}:{vllm.port} after {waited:.0f}s (logs in {state_dir})",
-            flush=True,
-        )
-        if lmc is None:
+        waited = proc.wait_ready(f"{replica.vllm_url}/health", args.startup_timeout)
+        print(f"vLLM ready on {replica.vllm_url} after {waited:.0f}s (logs in {state_dir})", flush=True)
+        if lmcache_url is None:
             procs[-1].proc.wait()
             return int(procs[-1].proc.returncode or 0)
         watcher = RuntimeConfigWatcher(args.config, args.keys)
         metrics = ls.LMCacheSyncMetrics()
         if args.metrics_port is not None:
             start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
-        endpoint = f"http://{lmc.host}:{lmc.http_port}"
-        asyncio.run(_run_until_signal(watcher, pool, [endpoint], 2.0, metrics))
+        asyncio.run(_run_until_signal(watcher, pool, [lmcache_url], 2.0, metrics))
         return 0
     finally:
         for proc in reversed(procs):

