@@ -89,14 +89,16 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         name="KvfleetTenantOverQuota",
-        expr=(f"max by (namespace, tenant, tier) ({LMCACHE_TENANT_BYTES} / ({LMCACHE_QUOTA_BYTES} > 0)) > 1"),
+        expr=(
+            f"max by (namespace, tenant, kv_tier) ({LMCACHE_TENANT_BYTES} / ({LMCACHE_QUOTA_BYTES} > 0)) > 1"
+        ),
         for_="15m",
         severity="warning",
-        summary="Tenant {{ $labels.tenant }} is over its {{ $labels.tier }} KV quota",
+        summary="Tenant {{ $labels.tenant }} is over its {{ $labels.kv_tier }} KV quota",
         description=(
-            "Tenant {{ $labels.tenant }} has held more than its {{ $labels.tier }} quota in LMCache for 15 "
-            "minutes ({{ $value | humanizePercentage }} of it). Its data is evicted first; raise the quota "
-            "or lower its TTLs."
+            "Tenant {{ $labels.tenant }} has held more than its {{ $labels.kv_tier }} quota in LMCache for "
+            "15 minutes ({{ $value | humanizePercentage }} of it). Its data is evicted first; raise the "
+            "quota or lower its TTLs."
         ),
         runbook_anchor="kvfleettenantoverquota",
     ),

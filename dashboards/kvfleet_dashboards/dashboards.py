@@ -305,9 +305,9 @@ TENANT_DASHBOARD = DashboardSpec(
                             "{{tenant}} hbm",
                         ),
                         Query(
-                            f"sum by (tenant, tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}}) / "
-                            f"sum by (tenant, tier) ({LMCACHE_QUOTA_BYTES}{{{LMCACHE_TENANT}}} > 0)",
-                            "{{tenant}} {{tier}}",
+                            f"sum by (tenant, kv_tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}}) / "
+                            f"sum by (tenant, kv_tier) ({LMCACHE_QUOTA_BYTES}{{{LMCACHE_TENANT}}} > 0)",
+                            "{{tenant}} {{kv_tier}}",
                         ),
                     ],
                     unit="percentunit",
@@ -333,11 +333,11 @@ TENANT_DASHBOARD = DashboardSpec(
                         ),
                         Query(
                             or_zero(
-                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, tier"),
-                                f"sum by (tenant, tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
-                                on="tenant, tier",
+                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, kv_tier"),
+                                f"sum by (tenant, kv_tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                                on="tenant, kv_tier",
                             ),
-                            "{{tenant}} {{tier}} ttl",
+                            "{{tenant}} {{kv_tier}} ttl",
                         ),
                     ],
                 ),
@@ -395,7 +395,7 @@ KV_TIERS = DashboardSpec(
                     "Bytes of each tenant's KV in LMCache's CPU memory (L1).",
                     [
                         Query(
-                            f'sum by (tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}, tier="cpu"}})',
+                            f'sum by (tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}, kv_tier="cpu"}})',
                             "{{tenant}}",
                         )
                     ],
@@ -406,7 +406,7 @@ KV_TIERS = DashboardSpec(
                     "Bytes of each tenant's KV in LMCache's NVMe tier (L2).",
                     [
                         Query(
-                            f'sum by (tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}, tier="nvme"}})',
+                            f'sum by (tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}, kv_tier="nvme"}})',
                             "{{tenant}}",
                         )
                     ],
@@ -417,8 +417,8 @@ KV_TIERS = DashboardSpec(
                     "Each tenant's quota per tier, from the tenant table.",
                     [
                         Query(
-                            f"sum by (tenant, tier) ({LMCACHE_QUOTA_BYTES}{{{LMCACHE_TENANT}}})",
-                            "{{tenant}} {{tier}}",
+                            f"sum by (tenant, kv_tier) ({LMCACHE_QUOTA_BYTES}{{{LMCACHE_TENANT}}})",
+                            "{{tenant}} {{kv_tier}}",
                         )
                     ],
                     unit="bytes",
@@ -454,11 +454,11 @@ KV_TIERS = DashboardSpec(
                     [
                         Query(
                             or_zero(
-                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tier, tenant"),
-                                f"sum by (tier, tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
-                                on="tier, tenant",
+                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "kv_tier, tenant"),
+                                f"sum by (kv_tier, tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                                on="kv_tier, tenant",
                             ),
-                            "{{tier}} {{tenant}}",
+                            "{{kv_tier}} {{tenant}}",
                         )
                     ],
                 ),
@@ -502,7 +502,7 @@ KV_TIERS = DashboardSpec(
 OPERATOR = DashboardSpec(
     uid="kvfleet-operator",
     title="kvfleet / Operator",
-    description="The operator: reconciles, errors, durations, API calls, tenants by tier and isolation.",
+    description="The operator: reconciles, errors, durations, API calls, tenants by SLA tier and isolation.",
     variables=(),
     rows=(
         (
@@ -550,9 +550,9 @@ OPERATOR = DashboardSpec(
             "Fleet",
             (
                 PanelSpec(
-                    "Tenants by tier and isolation",
+                    "Tenants by SLA tier and isolation",
                     "Admitted tenants, by SLA tier and isolation level.",
-                    [Query(f"sum by (tier, isolation) ({om.TENANTS})", "{{tier}} / {{isolation}}")],
+                    [Query(f"sum by (sla_tier, isolation) ({om.TENANTS})", "{{sla_tier}} / {{isolation}}")],
                 ),
                 PanelSpec(
                     "Shared-pool capacity vs guarantees",

@@ -35,7 +35,7 @@ api_calls = Counter(
 tenants = Gauge(
     TENANTS,
     "Admitted tenants by ModelDeployment, SLA tier and isolation level.",
-    ["namespace", "model_deployment", "tier", "isolation"],
+    ["namespace", "model_deployment", "sla_tier", "isolation"],
     registry=REGISTRY,
 )
 pool_capacity_blocks = Gauge(

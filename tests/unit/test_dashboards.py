@@ -237,7 +237,10 @@ def test_ttft_panels_draw_the_slo_as_a_line() -> None:
                 "Restores",
             ],
         ),
-        (OPERATOR, ["Reconciles", "Reconcile errors", "Reconcile duration", "Tenants by tier and isolation"]),
+        (
+            OPERATOR,
+            ["Reconciles", "Reconcile errors", "Reconcile duration", "Tenants by SLA tier and isolation"],
+        ),
     ],
     ids=["fleet", "tenant", "kv-tiers", "operator"],
 )

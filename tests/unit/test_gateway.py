@@ -463,7 +463,7 @@ async def test_metrics_count_tokens_and_cached_tokens_per_tenant(tmp_path: Path)
         await env.chat("acme", content="a shared question")
         await env.chat("acme", content="a shared question")
         await env.chat("beta", content="a shared question")
-        prompt = await env.metric(m.PROMPT_TOKENS_TOTAL, tenant="acme", model=MODEL, tier="premium")
+        prompt = await env.metric(m.PROMPT_TOKENS_TOTAL, tenant="acme", model=MODEL, sla_tier="premium")
         cached = await env.metric(m.CACHED_PROMPT_TOKENS_TOTAL, tenant="acme")
         assert prompt > 0 and cached == prompt / 2
         assert await env.metric(m.CACHED_PROMPT_TOKENS_TOTAL, tenant="beta") == 0

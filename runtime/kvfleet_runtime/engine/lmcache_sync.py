@@ -62,6 +62,9 @@ DEFAULT_SALT_SENTINEL = "_default"
 L1_GOVERNANCE_PREFIX = "kvfleet_lmcache_l1_"
 #: Exact bytes per salt in a governed L1; its presence tells the sync the server governs L1 itself.
 L1_GOVERNED_BYTES = "kvfleet_lmcache_l1_bytes"
+#: The memory tier a tenant's bytes are on (``cpu``, ``nvme``: ``config.KVTier``). Never plain ``tier``:
+#: the gateway's series carry the tenant's SLA tier as ``sla_tier``.
+KV_TIER_LABEL = "kv_tier"
 #: Per-salt counters that move whenever a salt's KV is looked up, written or read.
 ACTIVITY_COUNTERS = (
     "lmcache_mp_lookup_requested_tokens_total",
@@ -339,7 +342,7 @@ class LMCacheSyncMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        labels = ["endpoint", "tenant", "tier"]
+        labels = ["endpoint", "tenant", KV_TIER_LABEL]
         self.tenant_bytes = Gauge(
             "kvfleet_lmcache_tenant_bytes",
             "Bytes of a tenant's KV in LMCache per tier (nvme exact; cpu estimated from chunk counters; "
@@ -441,13 +444,13 @@ def _export(
     m.quota_bytes.clear()
     for quota in desired.values():
         for tenant in quota.tenants:
-            m.tenant_bytes.labels(endpoint, tenant, "nvme").set(nvme.get(tenant, 0))
-            m.tenant_bytes.labels(endpoint, tenant, "cpu").set(cpu.get(tenant, 0))
-            m.quota_bytes.labels(endpoint, tenant, "nvme").set(quota.tenant_nvme_bytes.get(tenant, 0))
-            m.quota_bytes.labels(endpoint, tenant, "cpu").set(quota.tenant_cpu_bytes.get(tenant, 0))
+            m.tenant_bytes.labels(endpoint, tenant, KVTier.NVME).set(nvme.get(tenant, 0))
+            m.tenant_bytes.labels(endpoint, tenant, KVTier.CPU).set(cpu.get(tenant, 0))
+            m.quota_bytes.labels(endpoint, tenant, KVTier.NVME).set(quota.tenant_nvme_bytes.get(tenant, 0))
+            m.quota_bytes.labels(endpoint, tenant, KVTier.CPU).set(quota.tenant_cpu_bytes.get(tenant, 0))
         if quota.salt in plan.expired_now:
             for tenant in quota.tenants:
-                m.ttl_expirations.labels(endpoint, tenant, "nvme").inc()
+                m.ttl_expirations.labels(endpoint, tenant, KVTier.NVME).inc()
     if plan.delete or plan.clear_l1:
         m.removals.labels(endpoint).inc(max(1, len(plan.delete)))
     m.last_success.labels(endpoint).set(time.time())
@@ -501,6 +504,7 @@ async def run_lmcache_sync(
 
 
 __all__ = [
+    "KV_TIER_LABEL",
     "EndpointState",
     "LMCacheClient",
     "LMCacheSyncMetrics",

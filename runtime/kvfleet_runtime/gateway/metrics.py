@@ -3,8 +3,9 @@
 Every name is a module constant so dashboards, alert rules and tests import it instead of repeating the
 string. Labels are bounded by construction: ``tenant`` and ``model`` only ever take values from the loaded
 tenant table (unauthenticated requests use ``UNAUTHENTICATED``, unknown models ``UNKNOWN_MODEL``),
-``tier``, ``outcome``, ``reason`` and ``kind`` come from fixed enumerations below, and ``pool``/``replica``
-from the table's pools. No prompt, completion, key or client-chosen string ever becomes a label value.
+``sla_tier``, ``outcome``, ``reason`` and ``kind`` come from fixed enumerations below, and
+``pool``/``replica`` from the table's pools. No prompt, completion, key or client-chosen string ever
+becomes a label value.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ CONFIG_RELOADS_TOTAL: Final = "kvfleet_gateway_config_reloads_total"
 CONFIG_RELOAD_FAILURES_TOTAL: Final = "kvfleet_gateway_config_reload_failures_total"
 REPLICA_HEALTHY: Final = "kvfleet_gateway_replica_healthy"
 
-# Label values ---------------------------------------------------------------------------------------------
+# Label names and values -------------------------------------------------------------------------------------
+#: The tenant's SLA tier (``premium``, ``standard``, ``basic``). Never plain ``tier``: the engine's and
+#: LMCache's series carry the memory tier a KV entry lives in as ``kv_tier``.
+SLA_TIER_LABEL: Final = "sla_tier"
 UNAUTHENTICATED: Final = "_unauthenticated"
 UNKNOWN_MODEL: Final = "_unknown"
 NO_TIER: Final = "_none"
@@ -71,7 +75,7 @@ class GatewayMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         r = self.registry
-        req = ("tenant", "model", "tier")
+        req = ("tenant", "model", SLA_TIER_LABEL)
         self.requests = Counter(
             REQUESTS_TOTAL.removesuffix("_total"),
             "Requests the gateway finished, by outcome.",
@@ -120,14 +124,14 @@ class GatewayMetrics:
         self.queue_time = Histogram(
             QUEUE_TIME_SECONDS,
             "Time a request waited in its tenant's admission queue (0 when admitted at once).",
-            ("tenant", "tier"),
+            ("tenant", SLA_TIER_LABEL),
             buckets=_QUEUE_BUCKETS,
             registry=r,
         )
         self.throttled = Counter(
             THROTTLED_TOTAL.removesuffix("_total"),
             "Requests answered 429 by admission control.",
-            ("tenant", "tier", "reason"),
+            ("tenant", SLA_TIER_LABEL, "reason"),
             registry=r,
         )
         self.rejected = Counter(
@@ -145,7 +149,7 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             IN_FLIGHT_REQUESTS,
             "Requests admitted and not yet finished.",
-            ("tenant", "tier"),
+            ("tenant", SLA_TIER_LABEL),
             registry=r,
         )
         self.kv_in_flight = Gauge(
@@ -173,7 +177,7 @@ class GatewayMetrics:
         )
 
     def series(self, tenant: str, model: str, tier: str) -> RequestSeries:
-        """The per-request children for one (tenant, model, tier), resolved once and cached.
+        """The per-request children for one (tenant, model, SLA tier), resolved once and cached.
 
         Resolving a labelled child takes a lock and a dict lookup per metric; the request path uses a
         dozen of them, so they are looked up once per label set (bounded, see the module docstring).
@@ -186,7 +190,7 @@ class GatewayMetrics:
 
 
 class RequestSeries:
-    """The children of the request-path metrics for one (tenant, model, tier)."""
+    """The children of the request-path metrics for one (tenant, model, SLA tier)."""
 
     __slots__ = (
         "cached_prompt_tokens",
