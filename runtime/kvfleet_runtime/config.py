@@ -36,6 +36,7 @@ LMCACHE_SYNC_METRICS_PORT = 8002  # the LMCache quota sync's metrics
 LMCACHE_PORT = 6555  # LMCache's ZMQ port, where vLLM's LMCacheMPConnector connects (inside the pod)
 LMCACHE_HTTP_PORT = 6556  # LMCache's HTTP API: /healthcheck, /status, /quota, /cache/clear, /metrics
 GATEWAY_PORT = 8080  # the gateway's OpenAI endpoint
+GATEWAY_METRICS_PORT = 8081  # the gateway's Prometheus metrics (serves no inference API)
 #: LMCache's default chunk, in tokens (``lmcache server --chunk-size``). LMCache stores, evicts and
 #: enforces quotas in whole chunks, so "within quota" means within quota plus one chunk.
 DEFAULT_LMCACHE_CHUNK_TOKENS = 256

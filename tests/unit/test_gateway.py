@@ -1,4 +1,4 @@
-"""The gateway end to end over HTTP, in front of OpenAI-shaped upstreams (see test_gateway_support)."""
+"""The gateway end to end over HTTP, in front of OpenAI-shaped upstreams (see tests/gateway_support.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_gateway_support import (
+
+from gateway_support import (
     MODEL,
     FakeEngine,
     TenantSpec,
@@ -26,7 +27,6 @@ from test_gateway_support import (
     free_closed_port_url,
     write_config,
 )
-
 from kvfleet_runtime.config import TIER_PRIORITY, Isolation, KeyFile, RateLimits, SlaTier, derive_cache_salt
 from kvfleet_runtime.gateway import metrics as m
 from kvfleet_runtime.gateway.rewrite import TENANT_XARG, parse_tenant_from_request_id
@@ -58,7 +58,7 @@ class Env:
             return r.status, data, r.headers
 
     async def metric(self, name: str, **labels: str) -> float:
-        async with self.http.get(self.url + "/metrics") as r:
+        async with self.http.get(self.gateway.metrics_url + "/metrics") as r:
             text = await r.text()
         total = 0.0
         for family in text_string_to_metric_families(text):
@@ -217,8 +217,15 @@ async def test_tokens_per_minute_counts_the_estimate_and_reconciles_usage(tmp_pa
         assert (
             gate.tpm is not None and 400 - 130 < gate.tpm.level < 400 - 100
         )  # usage ~116, not the estimate ~254
-        _, data, headers = await env.chat("tpm", content="y" * 1200, max_tokens=200, status=429)
+        # ~300 + 4 + 200 tokens can never fit 400 per minute: refused outright, nothing charged.
+        _, data, _ = await env.chat("tpm", content="y" * 1200, max_tokens=200, status=400)
+        assert (
+            data["error"]["code"] == "request_too_large" and "tokens per minute" in data["error"]["message"]
+        )
+        level = gate.tpm.level
+        _, data, headers = await env.chat("tpm", content="y" * 400, max_tokens=200, status=429)
         assert data["error"]["code"] == "tokens_per_minute" and int(headers["Retry-After"]) >= 1
+        assert gate.tpm.level == pytest.approx(level, abs=1)  # a refusal charges nothing
 
 
 async def test_max_concurrent_queues_then_times_out_with_429(tmp_path: Path) -> None:
@@ -469,7 +476,7 @@ async def test_metrics_count_tokens_and_cached_tokens_per_tenant(tmp_path: Path)
         assert await env.metric(m.CACHED_PROMPT_TOKENS_TOTAL, tenant="beta") == 0
         assert await env.metric(m.REQUESTS_TOTAL, tenant="acme", outcome="ok") == 2
         assert await env.metric(m.IN_FLIGHT_REQUESTS, tenant="acme") == 0
-        async with env.http.get(env.url + "/metrics") as r:
+        async with env.http.get(env.gateway.metrics_url + "/metrics") as r:
             names = {f.name for f in text_string_to_metric_families(await r.text())}
         for name in (
             m.REQUESTS_TOTAL,
@@ -507,7 +514,7 @@ async def test_no_prompt_completion_or_key_reaches_logs_or_metrics(
             env.url + "/v1/chat/completions", data=f"{{{marker}", headers=env.auth("acme")
         ) as r:
             assert r.status == 400
-        async with env.http.get(env.url + "/metrics") as r:
+        async with env.http.get(env.gateway.metrics_url + "/metrics") as r:
             metrics_text = await r.text()
         logged = caplog.text + "".join(str(rec.args) for rec in caplog.records)
         assert "failing over" in logged  # the log did capture the fail-over warning

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from test_gateway_support import TenantSpec, build_keys, build_table
 
+from gateway_support import TenantSpec, build_keys, build_table
 from kvfleet_runtime.cli import main
 from kvfleet_runtime.config import KeyFile, TenantTable
 from kvfleet_runtime.config_watch import describe_error
@@ -35,7 +35,7 @@ from kvfleet_runtime.gateway.routing import (
     compute_load_cap,
     select_replica,
 )
-from kvfleet_runtime.gateway.state import build_snapshot
+from kvfleet_runtime.gateway.state import AuthFailure, build_snapshot
 
 
 class FakeClock:
@@ -264,17 +264,19 @@ def test_authenticate_by_hash_with_rotation_and_rejects_everything_else() -> Non
     assert snap.authenticate(f"Bearer {plain['a'][0]}").name == "a"  # type: ignore[union-attr]
     assert snap.authenticate(f"bearer  {plain['a'][1]} ").name == "a"  # type: ignore[union-attr]
     assert snap.authenticate(f"Bearer {plain['b'][0]}").name == "b"  # type: ignore[union-attr]
-    for bad in (
-        None,
-        "",
-        "Bearer",
-        "Bearer ",
-        plain["a"][0],
-        f"Basic {plain['a'][0]}",
-        "Bearer " + "x" * 5000,
-        f"Bearer {keys.key_hashes['a'][0]}",
+    for bad, why in (
+        (None, AuthFailure.MISSING),
+        ("", AuthFailure.MISSING),
+        ("Bearer", AuthFailure.MISSING),
+        ("Bearer ", AuthFailure.MISSING),
+        (plain["a"][0], AuthFailure.MISSING),
+        (f"Basic {plain['a'][0]}", AuthFailure.MISSING),
+        ("Bearer " + "x" * 5000, AuthFailure.UNKNOWN),
+        (f"Bearer {keys.key_hashes['a'][0]}", AuthFailure.UNKNOWN),
+        ("Bearer sk-caf\u00e9", AuthFailure.UNKNOWN),  # valid UTF-8, just not a key
+        ("Bearer sk-\udcff\udcfe", AuthFailure.MALFORMED),  # how aiohttp hands over invalid UTF-8
     ):
-        assert snap.authenticate(bad) is None
+        assert snap.authenticate(bad) is why, bad
     assert snap.tenants["a"].kv_budget_tokens is None
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_gateway_support import MODEL, FakeEngine, TenantSpec, build_keys, build_table, write_config
 
+from gateway_support import MODEL, FakeEngine, TenantSpec, build_keys, build_table, write_config
 from kvfleet_runtime.gateway.server import GatewaySettings, running_gateway
 
 MAX_BODY = 64 * 1024

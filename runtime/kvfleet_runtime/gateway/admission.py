@@ -1,21 +1,36 @@
-"""Per-tenant admission control: rate limits, concurrency and the KV-footprint budget.
+"""Per-tenant admission control: what one request may cost, rate limits, concurrency, the KV budget.
 
-Contract (one ``TenantGate`` per tenant, per gateway process; limits are not shared across gateway
-replicas, so N replicas admit up to N times the configured rates):
+Contract (one ``TenantGate`` per tenant, per gateway process):
 
-* ``requests_per_minute`` and ``tokens_per_minute`` are token buckets holding one minute of budget and
-  refilling continuously. A request that finds its bucket short is refused at once with the seconds
-  until it would fit (``Throttled.retry_after``, sent as ``Retry-After``). A request whose token estimate
-  exceeds a whole minute of budget is admitted only when the bucket is full and leaves it in debt, so it
-  is never refused forever.
-* Token cost is estimated before the engine answers (prompt estimate + ``max_tokens``) and reconciled
-  with the engine's ``usage`` when the answer is complete (``GateSlot.reconcile_tokens``).
-* ``max_concurrent`` requests and a KV budget (sum of prompt + max_tokens of admitted requests, at most
-  the tenant's burst limit ``hbm_burst_blocks x block_size``) bound what is in flight. A request that does
-  not fit waits in a FIFO queue of bounded length for a bounded time; a full queue or a timed-out wait is
-  a 429. A lone request larger than the whole KV budget is admitted when nothing else of the tenant is
-  in flight, so it cannot starve.
-* Nothing is dropped silently: every refusal raises ``Throttled``.
+* **Limits are shared across gateway replicas by division.** ``GateLimits`` carries the tenant's limits
+  for the whole ModelDeployment and ``replicas``, the number of gateway replicas (rendered by the
+  operator); each replica enforces ``limit / replicas`` of the requests and tokens per minute and
+  ``max(1, max_concurrent // replicas)`` concurrent requests. The sum over the replicas never exceeds the
+  limit (concurrency: unless it is below the replica count); a tenant whose traffic reaches the replicas
+  unevenly (one keep-alive connection lands on one replica) gets less than its limit, down to one
+  replica's share. No shared store is involved, so a replica never waits on another.
+* ``requests_per_minute`` and ``tokens_per_minute`` are token buckets holding one minute of the share
+  and refilling continuously. A request that finds its bucket short is refused at once with the seconds
+  until it would fit (``Throttled.retry_after``, sent as ``Retry-After``).
+* **What a request costs is decided before it is admitted** (``plan_request_budget``): it runs
+  ``sequences = max(n, best_of)`` sequences of at most ``max_tokens`` tokens each. A request without
+  ``max_tokens`` gets one injected: the most each sequence may generate within every bound the gateway
+  knows (the tenant's HBM burst cap, one minute of its token share, the model's context length; the
+  gateway's default only when none is known). The engine would otherwise generate up to the model's
+  context length, which no estimate made before the answer can bound; with the cap in the request, the
+  budget below is exact instead of a guess, and vLLM clamps it to the context length anyway.
+  A request whose KV footprint (``sequences x ceil((prompt + max_tokens) / block_size)`` blocks) exceeds
+  the tenant's burst cap, or whose token estimate exceeds one minute of its token share, can never run
+  within its limits and is refused with ``RequestTooLarge`` (a 400), before any bucket is charged.
+* Token cost is estimated as ``prompt + sequences x max_tokens`` and reconciled with the engine's
+  ``usage`` when the answer is complete (``GateSlot.reconcile_tokens``); it is never larger than one
+  minute of the share, so a refused or failed request cannot leave the tenant locked out for longer.
+* ``max_concurrent`` requests and a KV budget (sum of the admitted requests' footprints, at most the
+  tenant's burst cap in tokens) bound what is in flight. A request that does not fit waits in a FIFO
+  queue of bounded length for a bounded time; a full queue or a timed-out wait is a 429.
+* Request bodies held in memory are bounded per tenant and per process (``BodyBudget``).
+* Nothing is dropped silently: every refusal raises ``Throttled``, ``RequestTooLarge`` or
+  ``BodyBudgetExceeded``.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 Clock = Callable[[], float]
 
@@ -45,10 +61,26 @@ class Throttled(Exception):
         return str(max(1, math.ceil(self.retry_after)))
 
 
-class TokenBucket:
-    """A bucket of ``per_minute`` tokens refilled continuously at ``per_minute / 60`` per second."""
+class RequestTooLarge(ValueError):
+    """A request that can never run within the tenant's limits; the message is safe to show the client."""
 
-    def __init__(self, per_minute: int, clock: Clock = time.monotonic) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self) -> tuple[Any, ...]:  # it crosses the parse workers' process boundary
+        return (type(self), (self.message, self.param))
+
+
+class TokenBucket:
+    """A bucket of ``per_minute`` tokens refilled continuously at ``per_minute / 60`` per second.
+
+    ``per_minute`` may be fractional (a replica's share of a small limit): a bucket smaller than one
+    request still admits one whenever it is full, so the long-run rate is exact.
+    """
+
+    def __init__(self, per_minute: float, clock: Clock = time.monotonic) -> None:
         self._clock = clock
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
@@ -60,30 +92,149 @@ class TokenBucket:
         self.level = min(self.capacity, self.level + (now - self._stamp) * self.rate)
         self._stamp = now
 
-    def try_take(self, amount: float) -> float:
-        """Take ``amount`` and return 0, or take nothing and return the seconds until it would fit."""
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` would fit (0: it fits now); takes nothing."""
         self._refill()
         if self.level >= amount or (amount > self.capacity and self.level >= self.capacity):
-            self.level -= amount
             return 0.0
         return (min(amount, self.capacity) - self.level) / self.rate
+
+    def try_take(self, amount: float) -> float:
+        """Take ``amount`` and return 0, or take nothing and return the seconds until it would fit."""
+        wait = self.wait_for(amount)
+        if wait == 0.0:
+            self.level -= amount
+        return wait
 
     def adjust(self, delta: float) -> None:
         """Charge ``delta`` more (negative: refund). The level may go negative (debt), never above full."""
         self._refill()
         self.level = min(self.capacity, self.level - delta)
 
-    def set_per_minute(self, per_minute: int) -> None:
+    def set_per_minute(self, per_minute: float) -> None:
         """Change the rate on a config reload, keeping what is left (capped at the new capacity)."""
         self._refill()
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
         self.level = min(self.level, self.capacity)
 
+    def seconds_to_full(self) -> float:
+        self._refill()
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+
+def format_reset(seconds: float) -> str:
+    """A duration as OpenAI's ``x-ratelimit-reset-*`` headers write it: ``0s``, ``1.5s``, ``6m0s``."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{round(seconds, 3):g}s"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{round(rest):d}s"
+
+
+# -- what one request may cost --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetLimits:
+    """The bounds of one tenant's requests (picklable: it travels to the parse workers)."""
+
+    #: The tenant's HBM burst cap in blocks; ``None``: no cap.
+    kv_burst_blocks: int | None
+    block_size: int
+    #: This replica's share of the tenant's tokens per minute; ``None``: unlimited.
+    tokens_per_minute: float | None = None
+    #: The model's context length when the tenant table knows it.
+    max_model_len: int | None = None
+    #: ``max_tokens`` injected when the client sends none and no bound above is known.
+    default_max_tokens: int = 256
+
 
 @dataclass(frozen=True)
+class RequestBudget:
+    """What admission charges for one request (see ``plan_request_budget``)."""
+
+    sequences: int
+    prompt_tokens: int
+    #: Per sequence: as the client sent it, or as the gateway injects it (``injected``).
+    max_tokens: int
+    injected: bool
+    #: The KV footprint: ``sequences x ceil((prompt + max_tokens) / block_size)`` blocks.
+    kv_blocks: int
+    #: The footprint in tokens (``kv_blocks x block_size``), what the tenant's KV budget counts.
+    kv_tokens: int
+    #: Charged to tokens per minute: ``prompt + sequences x max_tokens``.
+    token_estimate: int
+
+
+def plan_request_budget(
+    prompt_tokens: int, max_tokens: int | None, sequences: int, limits: BudgetLimits
+) -> RequestBudget:
+    """The request's budget, injecting ``max_tokens`` when it is missing (module docstring, rules).
+
+    Raises ``RequestTooLarge`` when the request cannot run within the tenant's limits.
+    """
+    bs = limits.block_size
+    burst = limits.kv_burst_blocks
+    tpm = math.floor(limits.tokens_per_minute) if limits.tokens_per_minute is not None else None
+    injected = max_tokens is None
+    if max_tokens is None:
+        bounds: list[tuple[int, str]] = []
+        if burst is not None:
+            bounds.append(((burst // sequences) * bs - prompt_tokens, "kv"))
+        if tpm is not None:
+            bounds.append(((tpm - prompt_tokens) // sequences, "tpm"))
+        if limits.max_model_len is not None:
+            bounds.append((limits.max_model_len - prompt_tokens, "context"))
+        if not bounds:
+            bounds.append((limits.default_max_tokens, "default"))
+        max_tokens, binding = min(bounds)
+        if max_tokens < 1:
+            raise RequestTooLarge(_too_large_message(binding, prompt_tokens, sequences, limits), "n")
+    blocks = sequences * math.ceil((prompt_tokens + max_tokens) / bs)
+    estimate = prompt_tokens + sequences * max_tokens
+    param = "n" if sequences > 1 else "max_tokens"
+    if burst is not None and blocks > burst:
+        raise RequestTooLarge(
+            f"this request needs up to {blocks} KV blocks ({sequences} sequence(s) of about "
+            f"{prompt_tokens} prompt + {max_tokens} completion tokens, {bs} tokens per block), more than "
+            f"this API key's burst limit of {burst} blocks; lower max_tokens or n, or shorten the prompt",
+            param,
+        )
+    if tpm is not None and estimate > tpm:
+        raise RequestTooLarge(
+            f"this request may use up to {estimate} tokens ({prompt_tokens} prompt + {sequences} x "
+            f"{max_tokens} completion), more than the {tpm} tokens per minute this gateway replica admits "
+            "for this API key; lower max_tokens or n",
+            param,
+        )
+    return RequestBudget(
+        sequences=sequences,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        injected=injected,
+        kv_blocks=blocks,
+        kv_tokens=blocks * bs,
+        token_estimate=estimate,
+    )
+
+
+def _too_large_message(binding: str, prompt_tokens: int, sequences: int, limits: BudgetLimits) -> str:
+    what = {
+        "kv": f"this API key's KV burst limit of {limits.kv_burst_blocks} blocks",
+        "tpm": "the tokens per minute this gateway replica admits for this API key",
+        "context": f"the model's context length of {limits.max_model_len} tokens",
+        "default": "the gateway's default max_tokens",
+    }[binding]
+    return (
+        f"{sequences} sequence(s) of a prompt of about {prompt_tokens} tokens leave no room to generate "
+        f"within {what}; lower n or shorten the prompt"
+    )
+
+
+# -- the gate -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class GateLimits:
-    """The limits of one tenant's gate; ``None`` means unlimited."""
+    """The limits of one tenant's gate; ``None`` means unlimited. Rates are the tenant's whole limits:
+    the gate enforces ``1 / replicas`` of them (module docstring)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
@@ -91,6 +242,26 @@ class GateLimits:
     kv_budget_tokens: int | None = None
     max_queue: int = 64
     max_queue_wait_s: float = 10.0
+    replicas: int = 1
+
+    @property
+    def requests_share(self) -> float | None:
+        """The requests per minute this replica admits."""
+        return None if self.requests_per_minute is None else self.requests_per_minute / self.replicas
+
+    @property
+    def tokens_share(self) -> float | None:
+        """The tokens per minute this replica admits."""
+        return None if self.tokens_per_minute is None else self.tokens_per_minute / self.replicas
+
+    @property
+    def concurrency_share(self) -> int | None:
+        """The concurrent requests this replica admits."""
+        return None if self.max_concurrent is None else max(1, self.max_concurrent // self.replicas)
+
+    def describe(self, limit: int, unit: str) -> str:
+        share = f" (this gateway replica admits 1/{self.replicas} of it)" if self.replicas > 1 else ""
+        return f"{limit} {unit}{share}"
 
 
 @dataclass
@@ -145,11 +316,11 @@ class TenantGate:
     def update_limits(self, limits: GateLimits) -> None:
         """Apply new limits (hot reload) without losing in-flight accounting or bucket levels."""
         self.limits = limits
-        self.rpm = self._bucket(self.rpm, limits.requests_per_minute)
-        self.tpm = self._bucket(self.tpm, limits.tokens_per_minute)
+        self.rpm = self._bucket(self.rpm, limits.requests_share)
+        self.tpm = self._bucket(self.tpm, limits.tokens_share)
         self._wake()
 
-    def _bucket(self, bucket: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+    def _bucket(self, bucket: TokenBucket | None, per_minute: float | None) -> TokenBucket | None:
         if per_minute is None:
             return None
         if bucket is None:
@@ -158,10 +329,37 @@ class TenantGate:
             bucket.set_per_minute(per_minute)
         return bucket
 
+    def check_request_rate(self) -> None:
+        """Raise ``Throttled`` when the requests-per-minute bucket has no room now; takes nothing.
+
+        Called before the body is read, so a tenant over its request rate costs no body read or parse.
+        """
+        if self.rpm is not None:
+            wait = self.rpm.wait_for(1)
+            if wait > 0:
+                raise self._rpm_throttled(wait)
+
+    def _rpm_throttled(self, wait: float) -> Throttled:
+        assert self.limits.requests_per_minute is not None
+        limit = self.limits.describe(self.limits.requests_per_minute, "requests per minute")
+        return Throttled("requests_per_minute", wait, f"rate limit reached: {limit}")
+
+    def rate_limit_headers(self) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for this replica's buckets (a trio per limit that is set)."""
+        headers: dict[str, str] = {}
+        for bucket, unit in ((self.rpm, "requests"), (self.tpm, "tokens")):
+            if bucket is not None:
+                reset = bucket.seconds_to_full()
+                headers[f"x-ratelimit-limit-{unit}"] = str(max(1, math.floor(bucket.capacity)))
+                headers[f"x-ratelimit-remaining-{unit}"] = str(max(0, math.floor(bucket.level)))
+                headers[f"x-ratelimit-reset-{unit}"] = format_reset(reset)
+        return headers
+
     def _blocker(self, kv_tokens: int) -> str | None:
         """Why a request of ``kv_tokens`` cannot start now (``None``: it can)."""
         limits = self.limits
-        if limits.max_concurrent is not None and self.in_flight >= limits.max_concurrent:
+        concurrency = limits.concurrency_share
+        if concurrency is not None and self.in_flight >= concurrency:
             return "concurrency"
         budget = limits.kv_budget_tokens
         if budget is not None and self.in_flight > 0 and self.kv_in_flight + kv_tokens > budget:
@@ -183,20 +381,18 @@ class TenantGate:
         if self.rpm is not None:
             wait = self.rpm.try_take(1)
             if wait > 0:
-                raise Throttled(
-                    "requests_per_minute",
-                    wait,
-                    f"rate limit reached: {self.limits.requests_per_minute} requests per minute",
-                )
+                raise self._rpm_throttled(wait)
         if self.tpm is not None:
             wait = self.tpm.try_take(token_estimate)
             if wait > 0:
                 if self.rpm is not None:
                     self.rpm.adjust(-1)
+                assert self.limits.tokens_per_minute is not None
                 raise Throttled(
                     "tokens_per_minute",
                     wait,
-                    f"rate limit reached: {self.limits.tokens_per_minute} tokens per minute "
+                    "rate limit reached: "
+                    f"{self.limits.describe(self.limits.tokens_per_minute, 'tokens per minute')} "
                     f"(this request is estimated at {token_estimate} tokens)",
                 )
         blocker = self._blocker(kv_tokens)
@@ -234,7 +430,9 @@ class TenantGate:
 
     def _queue_message(self, reason: str, what: str) -> str:
         if reason == "concurrency":
-            return f"too many concurrent requests (limit {self.limits.max_concurrent}); {what}"
+            assert self.limits.max_concurrent is not None
+            limit = self.limits.describe(self.limits.max_concurrent, "concurrent requests")
+            return f"too many concurrent requests (limit {limit}); {what}"
         return (
             f"KV budget exhausted ({self.kv_in_flight} of {self.limits.kv_budget_tokens} tokens "
             f"in flight); {what}"
@@ -257,3 +455,75 @@ class TenantGate:
             self._waiters.popleft()
             self._grant(head.kv_tokens)
             head.future.set_result(None)
+
+
+# -- request bodies in memory ---------------------------------------------------------------------------
+class BodyBudgetExceeded(Exception):
+    """No room to hold a request body; ``scope`` is ``tenant`` (its share is full) or ``gateway``."""
+
+    def __init__(self, scope: str, message: str) -> None:
+        super().__init__(message)
+        self.scope = scope
+        self.message = message
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once: at most ``per_tenant`` for one tenant, ``total`` for all.
+
+    A body is reserved before it is read (its ``Content-Length``, or chunk by chunk when it has none)
+    and released once it has been sent upstream, so memory held for bodies stays bounded however many
+    connections send them, and one tenant's large bodies cannot take every other tenant's room.
+    """
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total = total
+        self.per_tenant = per_tenant
+        self.used = 0
+        self.by_tenant: dict[str, int] = {}
+
+    def reserve(self, tenant: str, amount: int) -> BodyReservation:
+        reservation = BodyReservation(self, tenant)
+        reservation.grow(amount)
+        return reservation
+
+    def _take(self, tenant: str, amount: int) -> None:
+        held = self.by_tenant.get(tenant, 0)
+        if held + amount > self.per_tenant:
+            raise BodyBudgetExceeded(
+                "tenant",
+                f"too much request body in flight for this API key ({held + amount} bytes, limit "
+                f"{self.per_tenant}); retry when earlier requests have been sent",
+            )
+        if self.used + amount > self.total:
+            raise BodyBudgetExceeded("gateway", "the gateway is holding as many request bodies as it may")
+        self.by_tenant[tenant] = held + amount
+        self.used += amount
+
+    def _give_back(self, tenant: str, amount: int) -> None:
+        self.used -= amount
+        left = self.by_tenant[tenant] - amount
+        if left:
+            self.by_tenant[tenant] = left
+        else:
+            del self.by_tenant[tenant]
+
+
+class BodyReservation:
+    """Bytes one request holds in a ``BodyBudget``; ``release`` is idempotent."""
+
+    __slots__ = ("_budget", "held", "tenant")
+
+    def __init__(self, budget: BodyBudget, tenant: str) -> None:
+        self._budget = budget
+        self.tenant = tenant
+        self.held = 0
+
+    def grow(self, amount: int) -> None:
+        if amount > 0:
+            self._budget._take(self.tenant, amount)
+            self.held += amount
+
+    def release(self) -> None:
+        if self.held:
+            self._budget._give_back(self.tenant, self.held)
+            self.held = 0

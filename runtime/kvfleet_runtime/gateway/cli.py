@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from kvfleet_runtime.config import GATEWAY_METRICS_PORT, GATEWAY_PORT
 from kvfleet_runtime.config_watch import describe_error
 from kvfleet_runtime.gateway.server import GatewaySettings, serve
 from kvfleet_runtime.gateway.state import load_snapshot
@@ -18,8 +20,19 @@ def parse_listen(value: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) -> (host, port)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"--listen wants host:port, got {value!r}")
+        raise argparse.ArgumentTypeError(f"wants host:port, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)  # noqa: S104 - a server in a pod listens on all
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {value!r}")
+    return int(value)
+
+
+def _replicas(value: str) -> int:
+    """``--replicas``: a count, or empty (an unset environment variable) for 1."""
+    return _positive_int(value) if value else 1
 
 
 def register(subparsers: Any) -> None:
@@ -32,17 +45,69 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--config", type=Path, required=True, help="tenant table (tenants.json)")
     p.add_argument("--keys", type=Path, required=True, help="key file (keys.json: key hashes, salt key)")
-    p.add_argument("--listen", type=parse_listen, default=("0.0.0.0", 8080), help="host:port (0.0.0.0:8080)")  # noqa: S104
+    p.add_argument(
+        "--listen",
+        type=parse_listen,
+        default=("0.0.0.0", GATEWAY_PORT),  # noqa: S104
+        help=f"host:port of the OpenAI API (0.0.0.0:{GATEWAY_PORT})",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        type=parse_listen,
+        default=("0.0.0.0", GATEWAY_METRICS_PORT),  # noqa: S104
+        help=f"host:port of /metrics, which the API port does not serve (0.0.0.0:{GATEWAY_METRICS_PORT})",
+    )
+    p.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=_replicas(os.environ.get("KVFLEET_GATEWAY_REPLICAS", "")),
+        help="gateway replicas sharing each tenant's rate limits; this one enforces 1/N of them "
+        "(default: $KVFLEET_GATEWAY_REPLICAS, else 1)",
+    )
     p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between config polls")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
+    p.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds to receive a request's headers (else 408)"
+    )
+    p.add_argument(
+        "--idle-timeout", type=float, default=60.0, help="seconds a keep-alive connection may idle"
+    )
+    p.add_argument(
+        "--max-connections", type=_positive_int, default=4096, help="open client connections; more get 503"
+    )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a body (else 408)")
+    p.add_argument(
+        "--tenant-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="request bodies one tenant may have in memory at once (more: 429)",
+    )
+    p.add_argument(
+        "--total-body-bytes",
+        type=int,
+        default=128 * 1024 * 1024,
+        help="request bodies the process may have in memory at once (more: 503)",
+    )
+    p.add_argument(
+        "--parse-workers",
+        type=int,
+        default=2,
+        help="processes that parse bodies larger than --inline-parse-bytes (0: all on the event loop)",
+    )
+    p.add_argument(
+        "--inline-parse-bytes", type=int, default=16 * 1024, help="bodies up to this size parse inline"
+    )
     p.add_argument("--max-queue", type=int, default=64, help="per-tenant admission queue length")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait queued")
     p.add_argument("--affinity-prefix-chars", type=int, default=512, help="prompt chars in the affinity key")
     p.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor (> 1)")
     p.add_argument(
-        "--default-max-tokens", type=int, default=256, help="max_tokens assumed for the KV/tokens estimate"
+        "--default-max-tokens",
+        type=_positive_int,
+        default=256,
+        help="max_tokens injected into a request that sends none when the tenant table gives no bound "
+        "(no KV burst cap, tokens per minute or context length)",
     )
     p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a replica")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
@@ -65,8 +130,16 @@ def run(args: argparse.Namespace) -> int:
         keys_path=args.keys,
         reload_interval_s=args.reload_interval,
         health_interval_s=args.health_interval,
+        header_timeout_s=args.header_timeout,
+        idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        tenant_body_bytes=args.tenant_body_bytes,
+        total_body_bytes=args.total_body_bytes,
+        parse_workers=args.parse_workers,
+        inline_parse_bytes=args.inline_parse_bytes,
+        replicas=args.replicas,
         max_queue=args.max_queue,
         max_queue_wait_s=args.queue_timeout,
         affinity_prefix_chars=args.affinity_prefix_chars,
@@ -75,13 +148,14 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout,
     )
     host, port = args.listen
+    metrics_host, metrics_port = args.metrics_listen
     try:
         load_snapshot(settings.config_path, settings.keys_path)
     except (OSError, ValueError) as exc:
         logging.getLogger("kvfleet.gateway").error("cannot start: %s", describe_error(exc))
         return 2
     try:
-        _run_loop(serve(settings, host, port))
+        _run_loop(serve(settings, host, port, metrics_host, metrics_port))
     except KeyboardInterrupt:
         return 0
     return 0

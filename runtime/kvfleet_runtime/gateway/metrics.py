@@ -31,6 +31,8 @@ KV_IN_FLIGHT_TOKENS: Final = "kvfleet_gateway_kv_in_flight_tokens"
 CONFIG_RELOADS_TOTAL: Final = "kvfleet_gateway_config_reloads_total"
 CONFIG_RELOAD_FAILURES_TOTAL: Final = "kvfleet_gateway_config_reload_failures_total"
 REPLICA_HEALTHY: Final = "kvfleet_gateway_replica_healthy"
+OPEN_CONNECTIONS: Final = "kvfleet_gateway_open_connections"
+CONNECTIONS_CLOSED_TOTAL: Final = "kvfleet_gateway_connections_closed_total"
 
 # Label names and values -------------------------------------------------------------------------------------
 #: The tenant's SLA tier (``premium``, ``standard``, ``basic``). Never plain ``tier``: the engine's and
@@ -50,16 +52,27 @@ OUTCOMES: Final = (
     "cancelled",  # the client went away; the upstream request was cancelled
 )
 #: ``reason`` of ``kvfleet_gateway_throttled_total``.
-THROTTLE_REASONS: Final = ("requests_per_minute", "tokens_per_minute", "concurrency", "kv_budget")
+THROTTLE_REASONS: Final = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "concurrency",
+    "kv_budget",
+    "body_bytes",
+)
 #: ``reason`` of ``kvfleet_gateway_rejected_total``.
 REJECT_REASONS: Final = (
     "unauthenticated",
+    "ambiguous_api_key",  # the key is listed by more than one tenant
     "model_not_allowed",
     "bad_request",
+    "request_too_large",  # can never run within the tenant's KV burst cap or tokens per minute
     "body_too_large",
     "body_timeout",
+    "gateway_busy",  # the process holds as many request bodies as it may
     "no_healthy_replica",
 )
+#: ``reason`` of ``kvfleet_gateway_connections_closed_total``.
+CONNECTION_CLOSE_REASONS: Final = ("over_limit", "header_timeout")
 #: ``kind`` of ``kvfleet_gateway_upstream_errors_total``.
 UPSTREAM_ERROR_KINDS: Final = ("connect", "status_5xx", "disconnect", "timeout")
 
@@ -173,6 +186,16 @@ class GatewayMetrics:
             REPLICA_HEALTHY,
             "1 when the replica's last health check passed.",
             ("pool", "replica"),
+            registry=r,
+        )
+        self.open_connections = Gauge(
+            OPEN_CONNECTIONS, "Client connections open on the public port.", registry=r
+        )
+        self.connections_closed = Counter(
+            CONNECTIONS_CLOSED_TOTAL.removesuffix("_total"),
+            "Client connections the gateway closed itself: over the connection bound (refused at once "
+            "with a 503) or headers not received within the header timeout (408).",
+            ("reason",),
             registry=r,
         )
 

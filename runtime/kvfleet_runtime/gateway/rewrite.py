@@ -1,4 +1,12 @@
-"""Pure request handling: validation, the token estimate, and the rewrite that carries the tenant.
+"""Pure request handling: decoding, validation, the token estimate, and the rewrite that carries the tenant.
+
+``prepare_request`` is the whole of it, from the raw body to the bytes sent upstream; it is pure and
+picklable, so the server runs it inline for small bodies and in a worker process for large ones (a large
+body's parse then never holds the event loop that serves every other tenant).
+
+What the gateway accepts: a JSON object, valid UTF-8 (no lone surrogates, escaped or not), nested at most
+``MAX_JSON_DEPTH`` levels, at most ``MAX_SEQUENCES`` sequences (``n``, ``best_of``); anything else is a 400
+with a message saying what is wrong.
 
 What the gateway changes in a client's request before it reaches vLLM (vLLM 0.32 OpenAI server):
 
@@ -14,7 +22,10 @@ Body fields set:
   ``vllm_xargs``  ``{"kvfleet_tenant": <tenant>}``: vLLM copies it into ``SamplingParams.extra_args``,
                   which the engine core's ``Request`` carries, so a plugin can read the tenant directly;
   ``stream_options.include_usage`` true on streams, so usage can be reconciled (the usage-only chunk is
-                  removed again when the client did not ask for it).
+                  removed again when the client did not ask for it);
+  ``max_tokens``  only when the client sent neither ``max_tokens`` nor ``max_completion_tokens``: the
+                  most each sequence may generate within the tenant's limits
+                  (``admission.plan_request_budget``).
 Headers set:
   ``X-Request-Id: kvf_<tenant>_<32 hex>``: vLLM uses it as the request id base, so the engine request id
                   is ``chatcmpl-kvf_<tenant>_<hex>-<8 random>`` (``cmpl-`` for completions, and
@@ -25,19 +36,24 @@ Headers set:
 The salt -> tenant map (``config.salt_to_tenants``) stays the primary attribution; the tags above let a
 plugin tell apart ``shared`` tenants, which share one salt.
 
-Token estimate (before the engine answers): ceil(characters / 4) over every string in ``messages``
-(chat) or ``prompt`` (completions), one token per element of a token-id prompt, plus a small per-message
-overhead for the chat template. It is reconciled with ``usage`` afterwards.
+Token estimate (before the engine answers): over every string in ``messages`` (chat) or ``prompt``
+(completions), ceil(ASCII characters / 4) plus one token per other character (scripts such as CJK take
+about a token per character; counting them at a quarter would let a prompt hold four times the KV its
+budget says), one token per element of a token-id prompt, plus a small per-message overhead for the chat
+template. It is reconciled with ``usage`` afterwards.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
+
+from kvfleet_runtime.gateway.admission import BudgetLimits, RequestBudget, plan_request_budget
 
 STRIPPED_BODY_FIELDS: Final = (
     "cache_salt",
@@ -57,6 +73,10 @@ REQUEST_ID_PREFIX: Final = "kvf_"
 #: Chat templates add a few tokens per message (role markers); counted so the estimate is not low.
 CHAT_MESSAGE_OVERHEAD_TOKENS: Final = 4
 CHARS_PER_TOKEN: Final = 4
+#: Deepest JSON nesting accepted (a chat request with content parts nests about five levels).
+MAX_JSON_DEPTH: Final = 64
+#: Most sequences one request may ask for (``n``, ``best_of``).
+MAX_SEQUENCES: Final = 128
 
 _REQUEST_ID_RE = re.compile(r"(?:^|-)kvf_([a-z0-9][a-z0-9.-]*)_[0-9a-f]{32}(?:[-_]|$)")
 
@@ -74,6 +94,13 @@ class BadRequest(ValueError):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple[Any, ...]:  # it crosses the parse workers' process boundary
+        return (type(self), (self.message, self.param))
+
+
+class ModelNotAllowed(BadRequest):
+    """The tenant may not use the requested model (a 403)."""
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
@@ -86,15 +113,65 @@ class ParsedRequest:
     prompt_tokens_estimate: int
     max_tokens: int | None
     affinity_text: str
+    #: Sequences the engine runs for it: ``max(n, best_of)``.
+    sequences: int = 1
 
 
-def _string_chars(value: Any) -> int:
+def decode_json(raw: bytes | bytearray) -> Any:
+    """Parse a request body; ``BadRequest`` for anything that is not valid, bounded JSON in UTF-8."""
+    try:
+        value = json.loads(raw)
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # JSONDecodeError, and integers longer than Python's digit limit
+        raise BadRequest("the request body is not valid JSON") from None
+    check_json_tree(value)
+    return value
+
+
+def check_json_tree(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse nesting deeper than ``max_depth`` and strings that are not valid Unicode (lone surrogates).
+
+    Iterative, so no input can exhaust the stack; everything after this (the estimate, the rewrite,
+    serialisation) may recurse safely.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node)
+        elif isinstance(node, dict | list):
+            if depth > max_depth:
+                raise BadRequest(f"the request body nests JSON deeper than {max_depth} levels")
+            if isinstance(node, dict):
+                for key, child in node.items():
+                    _check_text(key)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in node)
+
+
+def _check_text(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise BadRequest("the request body contains a string that is not valid UTF-8") from None
+
+
+def _text_tokens(value: Any) -> int:
+    """Estimated tokens of every string in ``value`` (see the module docstring)."""
     if isinstance(value, str):
-        return len(value)
+        if value.isascii():
+            return math.ceil(len(value) / CHARS_PER_TOKEN)
+        other = len(value) - len(value.encode("ascii", "ignore"))
+        return math.ceil((len(value) - other) / CHARS_PER_TOKEN) + other
     if isinstance(value, list):
-        return sum(_string_chars(v) for v in value)
+        return sum(_text_tokens(v) for v in value)
     if isinstance(value, dict):
-        return sum(_string_chars(v) for v in value.values())
+        return sum(_text_tokens(v) for v in value.values())
     return 0
 
 
@@ -130,15 +207,13 @@ def compute_prompt_estimate(body: dict[str, Any], endpoint: Endpoint) -> int:
     """Estimated prompt tokens (see the module docstring)."""
     if endpoint is Endpoint.CHAT:
         messages = body["messages"]
-        return math.ceil(_string_chars(messages) / CHARS_PER_TOKEN) + CHAT_MESSAGE_OVERHEAD_TOKENS * len(
-            messages
-        )
+        return _text_tokens(messages) + CHAT_MESSAGE_OVERHEAD_TOKENS * len(messages)
     prompt = body["prompt"]
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
         return len(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         return sum(len(p) for p in prompt)
-    return math.ceil(_string_chars(prompt) / CHARS_PER_TOKEN)
+    return _text_tokens(prompt)
 
 
 def _is_int(value: Any) -> bool:
@@ -192,9 +267,14 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
         if not _is_int(value) or value < 1:
             raise BadRequest(f"'{name}' must be a positive integer", name)
         max_tokens = value if max_tokens is None else min(max_tokens, value)
-    n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or n < 1 or n > 128):
-        raise BadRequest("'n' must be an integer between 1 and 128", "n")
+    sequences = 1
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or not 1 <= value <= MAX_SEQUENCES:
+            raise BadRequest(f"'{name}' must be an integer between 1 and {MAX_SEQUENCES}", name)
+        sequences = max(sequences, value)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
@@ -207,6 +287,7 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
         prompt_tokens_estimate=compute_prompt_estimate(body, endpoint),
         max_tokens=max_tokens,
         affinity_text=compute_affinity_text(body, endpoint, affinity_chars),
+        sequences=sequences,
     )
 
 
@@ -222,13 +303,20 @@ def parse_tenant_from_request_id(request_id: str) -> str | None:
 
 
 def build_upstream_body(
-    parsed: ParsedRequest, *, tenant: str, cache_salt: str, priority: int
+    parsed: ParsedRequest,
+    *,
+    tenant: str,
+    cache_salt: str,
+    priority: int,
+    inject_max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The body sent to vLLM: client fields minus ``STRIPPED_BODY_FIELDS``, plus the tenant's own."""
     body = {k: v for k, v in parsed.body.items() if k not in STRIPPED_BODY_FIELDS}
     body["cache_salt"] = cache_salt
     body["priority"] = priority
     body["vllm_xargs"] = {TENANT_XARG: tenant}
+    if inject_max_tokens is not None:
+        body["max_tokens"] = inject_max_tokens
     if parsed.stream:
         options = dict(body.get("stream_options") or {})
         options["include_usage"] = True
@@ -261,3 +349,58 @@ def extract_usage(payload: Any) -> tuple[int, int, int] | None:
 
 def _as_count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """What preparing a request needs to know about its tenant (picklable: it travels to parse workers)."""
+
+    tenant: str
+    cache_salt: str
+    priority: int
+    models: frozenset[str]
+    affinity_chars: int
+    budget: BudgetLimits
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, its budget and the exact bytes to send upstream."""
+
+    model: str
+    stream: bool
+    client_wants_usage: bool
+    affinity_text: str
+    budget: RequestBudget
+    payload: bytes
+
+
+def prepare_request(raw: bytes | bytearray, endpoint: Endpoint, policy: RequestPolicy) -> PreparedRequest:
+    """From the raw body to the upstream payload: decode, validate, check the model, budget, rewrite.
+
+    Raises ``BadRequest`` (400), ``ModelNotAllowed`` (403) or ``admission.RequestTooLarge`` (400).
+    """
+    parsed = parse_request(decode_json(raw), endpoint, policy.affinity_chars)
+    if parsed.model not in policy.models:
+        raise ModelNotAllowed(
+            f"this API key may not use model {parsed.model[:100]!r}; GET /v1/models lists the allowed ones",
+            "model",
+        )
+    budget = plan_request_budget(
+        parsed.prompt_tokens_estimate, parsed.max_tokens, parsed.sequences, policy.budget
+    )
+    body = build_upstream_body(
+        parsed,
+        tenant=policy.tenant,
+        cache_salt=policy.cache_salt,
+        priority=policy.priority,
+        inject_max_tokens=budget.max_tokens if budget.injected else None,
+    )
+    return PreparedRequest(
+        model=parsed.model,
+        stream=parsed.stream,
+        client_wants_usage=parsed.client_wants_usage,
+        affinity_text=parsed.affinity_text,
+        budget=budget,
+        payload=json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
+    )

@@ -1,10 +1,18 @@
 """The gateway's HTTP shell: aiohttp server in front, pooled aiohttp client to the engines behind.
 
 Request path (``/v1/chat/completions``, ``/v1/completions``):
-  auth (401) -> body read, bounded in size (413) and time (408) -> parse (400) -> model check (403)
-  -> admission (429 + Retry-After, or a bounded wait) -> replica by prefix affinity (503 when none is
-  healthy) -> rewrite (rewrite.py) -> upstream, failing over to the next replica on connect errors
-  -> answer streamed or buffered back, usage reconciled and counted.
+  headers within the header timeout (408, connections.py) -> auth (401; 403 for a key listed by more
+  than one tenant; 400 for a header that is not UTF-8), before any of the body is read (with
+  ``Expect: 100-continue``, before the client sends it) -> the request rate has room (429) -> body read,
+  bounded in size (413), time (408) and memory held per tenant and per process (429/503) -> decode,
+  validate, model check, budget and rewrite (rewrite.prepare_request: 400/403; inline for small bodies,
+  in a worker process for large ones) -> admission (429 + Retry-After, or a bounded wait) -> replica by
+  prefix affinity (503 when none is healthy) -> upstream, failing over to the next replica only when the
+  connection could not be established (nothing was sent; once a byte may have reached an engine the
+  request is never sent again) -> answer streamed or buffered back with ``x-ratelimit-*`` headers,
+  usage reconciled and counted. A stream that breaks ends with an OpenAI-shaped error event.
+
+Metrics are served on their own port (``build_metrics_app``), never on the public one.
 
 A client that disconnects cancels its handler (the runner is built with ``handler_cancellation``), which
 closes the upstream connection, and vLLM aborts a request whose connection closed.
@@ -18,9 +26,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing
+import os
+import resource
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,22 +43,38 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfleet_runtime.gateway import metrics as m
-from kvfleet_runtime.gateway.admission import GateLimits, GateSlot, TenantGate, Throttled
+from kvfleet_runtime.gateway.admission import (
+    BodyBudget,
+    BodyBudgetExceeded,
+    BodyReservation,
+    BudgetLimits,
+    GateLimits,
+    GateSlot,
+    RequestTooLarge,
+    TenantGate,
+    Throttled,
+)
+from kvfleet_runtime.gateway.connections import ConnectionGuards, GuardedSite
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.rewrite import (
     BadRequest,
     Endpoint,
-    ParsedRequest,
+    ModelNotAllowed,
+    PreparedRequest,
+    RequestPolicy,
     build_request_id,
-    build_upstream_body,
     build_upstream_headers,
     extract_usage,
-    parse_request,
+    prepare_request,
 )
 from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
-from kvfleet_runtime.gateway.state import GatewaySnapshot, SnapshotReloader, TenantRuntime
+from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
 
 log = logging.getLogger("kvfleet.gateway")
+
+MIB = 1024 * 1024
+#: How much lower the parse workers' CPU priority is than the event loop's.
+PARSE_WORKER_NICENESS = 10
 
 
 @dataclass(frozen=True)
@@ -57,12 +86,29 @@ class GatewaySettings:
     reload_interval_s: float = 1.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
-    max_body_bytes: int = 4 * 1024 * 1024
+    #: Time from a request's first byte (a new connection: from accept) to the end of its headers.
+    header_timeout_s: float = 10.0
+    #: Time a keep-alive connection may sit between requests.
+    idle_timeout_s: float = 60.0
+    #: Open client connections; one more is answered 503 and closed at once.
+    max_connections: int = 4096
+    max_body_bytes: int = 4 * MIB
     body_timeout_s: float = 10.0
+    #: Request bodies one tenant may have in memory at once (reserved before they are read).
+    tenant_body_bytes: int = 16 * MIB
+    #: Request bodies the process may have in memory at once.
+    total_body_bytes: int = 128 * MIB
+    #: Bodies up to this size are parsed on the event loop; larger ones in a worker process.
+    inline_parse_bytes: int = 16 * 1024
+    #: Worker processes that parse large bodies (0: parse every body on the event loop).
+    parse_workers: int = 2
+    #: Gateway replicas sharing each tenant's rate limits; this one enforces 1/replicas of them.
+    replicas: int = 1
     max_queue: int = 64
     max_queue_wait_s: float = 10.0
     affinity_prefix_chars: int = 512
     load_factor: float = 1.25
+    #: ``max_tokens`` injected when a request sends none and the tenant table gives no bound.
     default_max_tokens: int = 256
     connect_timeout_s: float = 2.0
     upstream_read_timeout_s: float = 600.0
@@ -83,6 +129,22 @@ def error_response(
     return web.Response(
         status=status, body=json.dumps(body).encode(), content_type="application/json", headers=headers
     )
+
+
+def stream_error_event(message: str) -> bytes:
+    """The SSE event that ends a stream the engine broke, shaped as vLLM and OpenAI send errors."""
+    error = {
+        "error": {"message": message, "type": "upstream_error", "param": None, "code": "upstream_failed"}
+    }
+    return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ParseUnavailable(Exception):
+    pass
 
 
 class _UsageTracker:
@@ -111,6 +173,7 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.snapshot: GatewaySnapshot | None = None
         self.gates: dict[str, TenantGate] = {}
+        self.policies: dict[str, RequestPolicy] = {}
         self.routers: dict[str, PoolRouter] = {}
         self.session: aiohttp.ClientSession | None = None
         self.watcher = SnapshotReloader(
@@ -120,6 +183,18 @@ class Gateway:
             on_failure=lambda which: self.metrics.reload_failures.labels(which).inc(),
             interval_s=settings.reload_interval_s,
         )
+        self.body_budget = BodyBudget(settings.total_body_bytes, settings.tenant_body_bytes)
+        closed = self.metrics.connections_closed
+        self.guards = ConnectionGuards(
+            settings.max_connections,
+            settings.header_timeout_s,
+            on_refused=closed.labels("over_limit").inc,
+            on_header_timeout=closed.labels("header_timeout").inc,
+        )
+        self.metrics.open_connections.set_function(lambda: self.guards.open)
+        #: Where ``/metrics`` is served (set by ``running_gateway``).
+        self.metrics_url = ""
+        self._parse_pool: ProcessPoolExecutor | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._health_wakeup = asyncio.Event()
 
@@ -130,6 +205,7 @@ class Gateway:
             name: build_pool_router(name, pool.endpoints, self.routers.get(name))
             for name, pool in snapshot.table.pools.items()
         }
+        policies: dict[str, RequestPolicy] = {}
         for name, tenant in snapshot.tenants.items():
             limits = self._limits_for(tenant)
             gate = self.gates.get(name)
@@ -137,7 +213,9 @@ class Gateway:
                 self.gates[name] = TenantGate(limits)
             else:
                 gate.update_limits(limits)
+            policies[name] = self._policy_for(tenant, limits)
         self.routers = routers
+        self.policies = policies
         self.snapshot = snapshot
         for name in set(self.gates) - set(snapshot.tenants):
             # Its keys are already gone; a gate with requests still in flight goes when the last ends.
@@ -157,6 +235,23 @@ class Gateway:
             kv_budget_tokens=tenant.kv_budget_tokens,
             max_queue=self.settings.max_queue,
             max_queue_wait_s=self.settings.max_queue_wait_s,
+            replicas=self.settings.replicas,
+        )
+
+    def _policy_for(self, tenant: TenantRuntime, limits: GateLimits) -> RequestPolicy:
+        return RequestPolicy(
+            tenant=tenant.name,
+            cache_salt=tenant.cache_salt,
+            priority=tenant.entry.priority,
+            models=tenant.models,
+            affinity_chars=self.settings.affinity_prefix_chars,
+            budget=BudgetLimits(
+                kv_burst_blocks=tenant.kv_burst_blocks,
+                block_size=tenant.pool.block_size,
+                tokens_per_minute=limits.tokens_share,
+                max_model_len=tenant.max_model_len,
+                default_max_tokens=self.settings.default_max_tokens,
+            ),
         )
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -165,7 +260,8 @@ class Gateway:
         connector = aiohttp.TCPConnector(
             limit=self.settings.upstream_connections,
             limit_per_host=0,
-            # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway closes idle connections first.
+            # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway closes idle connections first
+            # (a pooled connection the engine has closed would fail the request: it is never re-sent).
             keepalive_timeout=4.0,
         )
         self.session = aiohttp.ClientSession(
@@ -192,6 +288,31 @@ class Gateway:
                 await task
         if self.session is not None:
             await self.session.close()
+        if self._parse_pool is not None:
+            pool, self._parse_pool = self._parse_pool, None
+            await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._parse_pool is None:
+            # spawn: the gateway has threads (to_thread, the resolver), which fork would copy mid-lock.
+            # The workers run at a lower CPU priority (nice 10): when parsing competes with the event
+            # loop for a CPU, the loop, which serves every tenant, wins.
+            self._parse_pool = ProcessPoolExecutor(
+                self.settings.parse_workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=os.nice,
+                initargs=(PARSE_WORKER_NICENESS,),
+            )
+        return self._parse_pool
+
+    async def warm_parse_workers(self) -> None:
+        """Start the parse workers now rather than on the first large body."""
+        if self.settings.parse_workers > 0:
+            pool = self._pool()
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(
+                *(loop.run_in_executor(pool, os.getpid) for _ in range(self.settings.parse_workers))
+            )
 
     # -- health -------------------------------------------------------------------------------------
     async def _probe(self, pool: str, replica: ReplicaState) -> None:
@@ -250,18 +371,29 @@ class Gateway:
 
     def _authenticate(self, request: web.Request) -> TenantRuntime | web.Response:
         snapshot = self.snapshot
-        tenant = snapshot.authenticate(request.headers.get("Authorization")) if snapshot else None
-        if tenant is None:
-            self.metrics.rejected.labels(m.UNAUTHENTICATED, "unauthenticated").inc()
-            self.metrics.requests.labels(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, "client_error").inc()
+        if snapshot is None:
+            found: TenantRuntime | AuthFailure = AuthFailure.UNKNOWN
+        else:
+            found = snapshot.authenticate(request.headers.get("Authorization"))
+        if isinstance(found, TenantRuntime):
+            return found
+        reason, response = _AUTH_REFUSALS[found]
+        self.metrics.rejected.labels(m.UNAUTHENTICATED, reason).inc()
+        self.metrics.requests.labels(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, "client_error").inc()
+        return response()
+
+    async def expect_continue(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue``: authenticate before telling the client to send its body."""
+        refused = self._authenticate(request)
+        if isinstance(refused, web.Response):
+            return refused
+        if request.headers.get("Expect", "").lower() != "100-continue" or request.version < (1, 1):
             return error_response(
-                401,
-                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                "invalid_request_error",
-                "invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
+                417, "only 'Expect: 100-continue' is supported", "invalid_request_error", "expectation_failed"
             )
-        return tenant
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+        return None
 
     async def handle_models(self, request: web.Request) -> web.Response:
         tenant = self._authenticate(request)
@@ -279,24 +411,77 @@ class Gateway:
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, Endpoint.COMPLETIONS)
 
-    def _reject(self, tenant: TenantRuntime, model: str, reason: str, response: web.Response) -> web.Response:
+    def _reject(
+        self,
+        tenant: TenantRuntime,
+        gate: TenantGate | None,
+        model: str,
+        reason: str,
+        response: web.Response,
+    ) -> web.Response:
         self.metrics.rejected.labels(tenant.name, reason).inc()
-        outcome = "unavailable" if reason == "no_healthy_replica" else "client_error"
+        outcome = "unavailable" if reason in ("no_healthy_replica", "gateway_busy") else "client_error"
         self.metrics.requests.labels(tenant.name, model, tenant.tier, outcome).inc()
+        if gate is not None:
+            response.headers.update(gate.rate_limit_headers())
         return response
 
-    async def _read_body(self, request: web.Request, tenant: TenantRuntime) -> Any:
+    def _throttled(self, tenant: TenantRuntime, gate: TenantGate, exc: Throttled, model: str) -> web.Response:
+        self.metrics.throttled.labels(tenant.name, tenant.tier, exc.reason).inc()
+        self.metrics.series(tenant.name, model, tenant.tier).outcomes["throttled"].inc()
+        return error_response(
+            429,
+            exc.message,
+            "rate_limit_error",
+            exc.reason,
+            headers={"Retry-After": exc.retry_after_header, **gate.rate_limit_headers()},
+        )
+
+    async def _read_body(self, request: web.Request, reservation: BodyReservation) -> bytes | bytearray:
+        """The whole body, reserved in the body budget before (or, without a length, as) it arrives."""
         limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        length = request.content_length
+        if length is not None:
+            if length > limit:
+                raise _BodyTooLarge
+            reservation.grow(length)
+        # One buffer of the announced size, filled as chunks arrive: a body is held once, not twice.
+        body = bytearray(length or 0)
+        size = 0
         async with asyncio.timeout(self.settings.body_timeout_s):
-            raw = await request.read()  # bounded by the app's client_max_size
-        if not raw:
+            while chunk := await request.content.readany():
+                end = size + len(chunk)
+                if end > limit:
+                    raise _BodyTooLarge
+                if length is None:
+                    reservation.grow(len(chunk))
+                    body += chunk
+                else:
+                    body[size:end] = chunk  # aiohttp never delivers more than Content-Length
+                size = end
+        if not size:
             raise BadRequest("the request body is empty; send a JSON object")
+        if length is not None and size != length:
+            raise BadRequest(f"the request body ended after {size} of its {length} bytes")
+        return body
+
+    async def _prepare(
+        self, raw: bytes | bytearray, endpoint: Endpoint, policy: RequestPolicy
+    ) -> PreparedRequest:
+        """``prepare_request`` inline for small bodies, in a worker process for large ones."""
+        if len(raw) <= self.settings.inline_parse_bytes or self.settings.parse_workers <= 0:
+            return prepare_request(raw, endpoint, policy)
+        pool = self._pool()
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise BadRequest("the request body is not valid JSON") from None
+            return await asyncio.get_running_loop().run_in_executor(
+                pool, prepare_request, raw, endpoint, policy
+            )
+        except BrokenProcessPool:
+            log.error("a body-parsing worker died; starting new ones")
+            if self._parse_pool is pool:
+                self._parse_pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise _ParseUnavailable from None
 
     async def _proxy(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived = time.perf_counter()
@@ -304,81 +489,141 @@ class Gateway:
         if isinstance(tenant, web.Response):
             return tenant
         model_label = m.UNKNOWN_MODEL
-        try:
-            body = await self._read_body(request, tenant)
-            parsed = parse_request(body, endpoint, self.settings.affinity_prefix_chars)
-        except web.HTTPRequestEntityTooLarge:
-            return self._reject(
-                tenant,
-                model_label,
-                "body_too_large",
-                error_response(
-                    413,
-                    f"request body larger than {self.settings.max_body_bytes} bytes",
-                    "invalid_request_error",
-                    "body_too_large",
-                ),
-            )
-        except TimeoutError:
-            return self._reject(
-                tenant,
-                model_label,
-                "body_timeout",
-                error_response(
-                    408,
-                    f"request body not received within {self.settings.body_timeout_s:g} s",
-                    "invalid_request_error",
-                    "body_timeout",
-                ),
-            )
-        except BadRequest as exc:
-            return self._reject(
-                tenant,
-                model_label,
-                "bad_request",
-                error_response(400, exc.message, "invalid_request_error", "invalid_request", param=exc.param),
-            )
-        if parsed.model not in tenant.models:
-            return self._reject(
-                tenant,
-                model_label,
-                "model_not_allowed",
-                error_response(
-                    403,
-                    f"this API key may not use model {parsed.model[:100]!r}; "
-                    "GET /v1/models lists the allowed ones",
-                    "permission_error",
-                    "model_not_allowed",
-                    param="model",
-                ),
-            )
-        model_label = parsed.model
         gate = self.gates.get(tenant.name)
-        if gate is None:  # removed by a reload between auth and here
+        policy = self.policies.get(tenant.name)
+        if gate is None or policy is None:  # removed by a reload between auth and here
             return self._reject(
                 tenant,
+                None,
                 model_label,
                 "unauthenticated",
                 error_response(
                     401, "this API key is no longer valid", "invalid_request_error", "invalid_api_key"
                 ),
             )
-        max_tokens = parsed.max_tokens or self.settings.default_max_tokens
-        kv_tokens = parsed.prompt_tokens_estimate + max_tokens
+        reservation = self.body_budget.reserve(tenant.name, 0)
+        try:
+            try:
+                gate.check_request_rate()  # before the body: a tenant over its rate costs no read or parse
+                raw = await self._read_body(request, reservation)
+                prepared = await self._prepare(raw, endpoint, policy)
+            except Throttled as exc:
+                return self._throttled(tenant, gate, exc, model_label)
+            except BodyBudgetExceeded as exc:
+                if exc.scope == "tenant":
+                    return self._throttled(
+                        tenant, gate, Throttled("body_bytes", 1.0, exc.message), model_label
+                    )
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "gateway_busy",
+                    error_response(
+                        503,
+                        exc.message + "; retry shortly",
+                        "service_unavailable",
+                        "gateway_busy",
+                        headers={"Retry-After": "1"},
+                    ),
+                )
+            except _BodyTooLarge:
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "body_too_large",
+                    error_response(
+                        413,
+                        f"request body larger than {self.settings.max_body_bytes} bytes",
+                        "invalid_request_error",
+                        "body_too_large",
+                        headers={"Connection": "close"},
+                    ),
+                )
+            except TimeoutError:
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "body_timeout",
+                    error_response(
+                        408,
+                        f"request body not received within {self.settings.body_timeout_s:g} s",
+                        "invalid_request_error",
+                        "body_timeout",
+                        headers={"Connection": "close"},
+                    ),
+                )
+            except ModelNotAllowed as exc:
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "model_not_allowed",
+                    error_response(
+                        403, exc.message, "permission_error", "model_not_allowed", param=exc.param
+                    ),
+                )
+            except BadRequest as exc:
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "bad_request",
+                    error_response(
+                        400, exc.message, "invalid_request_error", "invalid_request", param=exc.param
+                    ),
+                )
+            except RequestTooLarge as exc:
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "request_too_large",
+                    error_response(
+                        400, exc.message, "invalid_request_error", "request_too_large", param=exc.param
+                    ),
+                )
+            except _ParseUnavailable:
+                return self._reject(
+                    tenant,
+                    gate,
+                    model_label,
+                    "gateway_busy",
+                    error_response(
+                        503,
+                        "the gateway could not parse the request; retry",
+                        "service_unavailable",
+                        "gateway_busy",
+                        headers={"Retry-After": "1"},
+                    ),
+                )
+            del raw
+            return await self._admit_and_forward(
+                request, endpoint, tenant, gate, prepared, reservation, arrived
+            )
+        finally:
+            reservation.release()
+
+    async def _admit_and_forward(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        tenant: TenantRuntime,
+        gate: TenantGate,
+        prepared: PreparedRequest,
+        reservation: BodyReservation,
+        arrived: float,
+    ) -> web.StreamResponse:
+        model_label = prepared.model
+        budget = prepared.budget
         series = self.metrics.series(tenant.name, model_label, tenant.tier)
         try:
-            admission = await gate.acquire(kv_tokens, kv_tokens)
+            admission = await gate.acquire(budget.token_estimate, budget.kv_tokens)
         except Throttled as exc:
-            self.metrics.throttled.labels(tenant.name, tenant.tier, exc.reason).inc()
-            series.outcomes["throttled"].inc()
             self._forget_gate_if_removed(tenant.name, gate)
-            return error_response(
-                429,
-                exc.message,
-                "rate_limit_error",
-                exc.reason,
-                headers={"Retry-After": exc.retry_after_header},
-            )
+            return self._throttled(tenant, gate, exc, model_label)
         series.queue_time.observe(admission.queued_s)
         in_flight = series.in_flight
         kv_gauge = series.kv_in_flight
@@ -390,10 +635,12 @@ class Gateway:
                 request,
                 endpoint=endpoint,
                 tenant=tenant,
-                parsed=parsed,
+                prepared=prepared,
                 admission=admission,
                 series=series,
                 arrived=arrived,
+                limit_headers=gate.rate_limit_headers(),
+                reservation=reservation,
             )
             return response
         finally:
@@ -415,14 +662,21 @@ class Gateway:
         self,
         endpoint: Endpoint,
         tenant: TenantRuntime,
-        parsed: ParsedRequest,
-        payload: bytes,
+        prepared: PreparedRequest,
         headers: dict[str, str],
     ) -> tuple[aiohttp.ClientResponse, ReplicaState] | web.Response:
-        """Send to the affinity replica; on a connect error mark it unhealthy and try the next one."""
+        """Send to the affinity replica, failing over only while nothing has been sent.
+
+        A connection that could not be established (refused, unreachable, or not accepted within the
+        connect timeout) carried no byte of the request: the replica is marked down and the next one
+        tried. Any failure after that (the
+        connection dropped, reset or timed out while the request was written or the answer awaited)
+        may come after the engine read the request, so it is a 502 and the request is not sent again:
+        an engine must never run one request twice.
+        """
         assert self.session is not None
         router = self.routers.get(tenant.pool.name)
-        key = (tenant.cache_salt + "\x00" + parsed.affinity_text).encode()
+        key = (tenant.cache_salt + "\x00" + prepared.affinity_text).encode()
         tried: set[str] = set()
         while True:
             replica = router.choose(key, tried, self.settings.load_factor) if router else None
@@ -436,18 +690,10 @@ class Gateway:
             tried.add(replica.url)
             replica.in_flight += 1
             try:
-                try:
-                    resp = await self.session.post(
-                        replica.url + endpoint.value, data=payload, headers=headers
-                    )
-                except aiohttp.ServerDisconnectedError:
-                    # Most often a pooled keep-alive connection the engine had just closed (the request was
-                    # never read): resend once on a fresh connection before calling the replica down.
-                    self.metrics.upstream_errors.labels(tenant.pool.name, "disconnect").inc()
-                    resp = await self.session.post(
-                        replica.url + endpoint.value, data=payload, headers=headers
-                    )
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                resp = await self.session.post(
+                    replica.url + endpoint.value, data=prepared.payload, headers=headers
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 replica.in_flight -= 1
                 replica.healthy = False
                 replica.last_error = f"connect failed: {type(exc).__name__}"
@@ -460,6 +706,23 @@ class Gateway:
                     type(exc).__name__,
                 )
                 continue
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                replica.in_flight -= 1
+                kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+                self.metrics.upstream_errors.labels(tenant.pool.name, kind).inc()
+                log.warning(
+                    "replica %s of pool %s failed before answering (%s); not resent",
+                    replica.url,
+                    tenant.pool.name,
+                    type(exc).__name__,
+                )
+                return error_response(
+                    502,
+                    "the engine connection failed before it answered; the request was not retried "
+                    "because the engine may have received it",
+                    "upstream_error",
+                    "upstream_failed",
+                )
             except BaseException:
                 replica.in_flight -= 1
                 raise
@@ -471,37 +734,43 @@ class Gateway:
         *,
         endpoint: Endpoint,
         tenant: TenantRuntime,
-        parsed: ParsedRequest,
+        prepared: PreparedRequest,
         admission: GateSlot,
         series: RequestSeries,
         arrived: float,
+        limit_headers: dict[str, str],
+        reservation: BodyReservation,
     ) -> tuple[web.StreamResponse, str]:
         request_id = build_request_id(tenant.name)
-        body = build_upstream_body(
-            parsed, tenant=tenant.name, cache_salt=tenant.cache_salt, priority=tenant.entry.priority
-        )
-        payload = json.dumps(body, separators=(",", ":")).encode()
         headers = build_upstream_headers(tenant.name, request_id, request.headers)
-        connected = await self._connect(endpoint, tenant, parsed, payload, headers)
+        connected = await self._connect(endpoint, tenant, prepared, headers)
+        reservation.release()  # the body has been handed to the engine (or never will be)
         if isinstance(connected, web.Response):
-            self.metrics.rejected.labels(tenant.name, "no_healthy_replica").inc()
-            return connected, "unavailable"
+            connected.headers.update(limit_headers)
+            if connected.status == 503:
+                self.metrics.rejected.labels(tenant.name, "no_healthy_replica").inc()
+                return connected, "unavailable"
+            return connected, "upstream_error"
         upstream, replica = connected
         usage = _UsageTracker()
         started: list[web.StreamResponse] = []
         try:
-            if parsed.stream and upstream.status == 200:
+            if prepared.stream and upstream.status == 200:
                 response, outcome = await self._relay_stream(
                     request,
                     upstream=upstream,
-                    parsed=parsed,
+                    prepared=prepared,
                     usage=usage,
                     series=series,
                     arrived=arrived,
                     started=started,
+                    limit_headers=limit_headers,
+                    pool=tenant.pool.name,
                 )
             else:
-                response, outcome = await self._relay_buffered(upstream, usage, tenant.pool.name)
+                response, outcome = await self._relay_buffered(
+                    upstream, usage, tenant.pool.name, limit_headers
+                )
         except asyncio.CancelledError:
             upstream.close()  # drop the connection so the engine aborts the request
             raise
@@ -520,11 +789,14 @@ class Gateway:
                 tenant.pool.name,
                 type(exc).__name__,
             )
-            if started:  # headers already went out: end the stream where it broke
+            if started:  # headers already went out: end the stream with an error event where it broke
+                await _end_stream_with_error(started[0], "the engine connection failed during the answer")
                 return started[0], "upstream_error"
-            return error_response(
+            failed = error_response(
                 502, "the engine connection failed during the answer", "upstream_error", "upstream_failed"
-            ), "upstream_error"
+            )
+            failed.headers.update(limit_headers)
+            return failed, "upstream_error"
         finally:
             replica.in_flight -= 1
             upstream.release()
@@ -536,7 +808,7 @@ class Gateway:
         return response, outcome
 
     async def _relay_buffered(
-        self, upstream: aiohttp.ClientResponse, usage: _UsageTracker, pool: str
+        self, upstream: aiohttp.ClientResponse, usage: _UsageTracker, pool: str, limit_headers: dict[str, str]
     ) -> tuple[web.Response, str]:
         raw = await upstream.read()
         status = upstream.status
@@ -550,24 +822,29 @@ class Gateway:
         else:
             outcome = "client_error"
         content_type = upstream.headers.get("Content-Type", "application/json")
-        return web.Response(status=status, body=raw, headers={"Content-Type": content_type}), outcome
+        return web.Response(
+            status=status, body=raw, headers={"Content-Type": content_type, **limit_headers}
+        ), outcome
 
     async def _relay_stream(
         self,
         request: web.Request,
         *,
         upstream: aiohttp.ClientResponse,
-        parsed: ParsedRequest,
+        prepared: PreparedRequest,
         usage: _UsageTracker,
         series: RequestSeries,
         arrived: float,
         started: list[web.StreamResponse],
+        limit_headers: dict[str, str],
+        pool: str,
     ) -> tuple[web.StreamResponse, str]:
         out = web.StreamResponse(
             status=200,
             headers={
                 "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
+                **limit_headers,
             },
         )
         await out.prepare(request)
@@ -575,6 +852,7 @@ class Gateway:
         ttft = series.ttft
         itl = series.itl
         last: float | None = None
+        done = False
         try:
             async for events in _sse_events(upstream.content.iter_any()):
                 keep: list[bytes] = []
@@ -583,11 +861,13 @@ class Gateway:
                         chunk = _event_json(event)
                         usage.take(chunk)
                         if (
-                            not parsed.client_wants_usage
+                            not prepared.client_wants_usage
                             and isinstance(chunk, dict)
                             and not chunk.get("choices")
                         ):
                             continue  # the usage-only chunk the gateway asked for, not the client
+                    elif event.startswith(b"data: [DONE]") or event.startswith(b"data:[DONE]"):
+                        done = True
                     keep.append(event)
                 if not keep:
                     continue
@@ -601,8 +881,19 @@ class Gateway:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             upstream.close()
             return out, "cancelled"
+        if not done:  # the engine ended the stream without its last event: say so, never end silently
+            self.metrics.upstream_errors.labels(pool, "disconnect").inc()
+            await _end_stream_with_error(out, "the engine ended the stream before the answer was complete")
+            return out, "upstream_error"
         await out.write_eof()
         return out, "ok"
+
+
+async def _end_stream_with_error(out: web.StreamResponse, message: str) -> None:
+    """Write the error event and end the stream; a client that is already gone is fine."""
+    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        await out.write(stream_error_event(message))
+        await out.write_eof()
 
 
 async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
@@ -632,6 +923,53 @@ def _event_json(event: bytes) -> Any:
     return None
 
 
+def _auth_refusal(status: int, message: str, err_type: str, code: str) -> Callable[[], web.Response]:
+    def build() -> web.Response:
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return error_response(status, message, err_type, code, headers=headers)
+
+    return build
+
+
+#: Per way authentication fails: the ``rejected`` reason and the answer.
+_AUTH_REFUSALS: dict[AuthFailure, tuple[str, Callable[[], web.Response]]] = {
+    AuthFailure.MISSING: (
+        "unauthenticated",
+        _auth_refusal(
+            401,
+            "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+            "invalid_request_error",
+            "invalid_api_key",
+        ),
+    ),
+    AuthFailure.UNKNOWN: (
+        "unauthenticated",
+        _auth_refusal(
+            401,
+            "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+            "invalid_request_error",
+            "invalid_api_key",
+        ),
+    ),
+    AuthFailure.MALFORMED: (
+        "bad_request",
+        _auth_refusal(
+            400, "the Authorization header is not valid UTF-8", "invalid_request_error", "invalid_api_key"
+        ),
+    ),
+    AuthFailure.AMBIGUOUS: (
+        "ambiguous_api_key",
+        _auth_refusal(
+            403,
+            "this API key is not assigned to exactly one tenant, so it is refused; ask your administrator "
+            "for a new key",
+            "permission_error",
+            "ambiguous_api_key",
+        ),
+    ),
+}
+
+
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvfleet_gateway", Gateway)
 
 
@@ -641,7 +979,6 @@ _ROUTES: dict[str, str] = {
     "/v1/models": "GET",
     "/healthz": "GET",
     "/readyz": "GET",
-    "/metrics": "GET",
 }
 
 
@@ -660,19 +997,29 @@ async def _fallback(request: web.Request) -> web.Response:
 
 
 def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> web.Application:
-    """The gateway application; start it with ``web.AppRunner(app, handler_cancellation=True)``."""
+    """The public application (no ``/metrics``: see ``build_metrics_app``); serve it on a ``GuardedSite``
+    with ``web.AppRunner(app, handler_cancellation=True, keepalive_timeout=settings.idle_timeout_s)``."""
     gateway = Gateway(settings, metrics)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
-    app.router.add_post(Endpoint.CHAT.value, gateway.handle_chat)
-    app.router.add_post(Endpoint.COMPLETIONS.value, gateway.handle_completions)
+    app.on_response_prepare.append(gateway.guards.on_response_prepare)
+    app.router.add_post(Endpoint.CHAT.value, gateway.handle_chat, expect_handler=gateway.expect_continue)
+    app.router.add_post(
+        Endpoint.COMPLETIONS.value, gateway.handle_completions, expect_handler=gateway.expect_continue
+    )
     app.router.add_get("/v1/models", gateway.handle_models)
     app.router.add_get("/healthz", gateway.handle_healthz)
     app.router.add_get("/readyz", gateway.handle_readyz)
-    app.router.add_get("/metrics", gateway.handle_metrics)
     app.router.add_route("*", "/{tail:.*}", _fallback)  # last: only what nothing above matched
+    return app
+
+
+def build_metrics_app(gateway: Gateway) -> web.Application:
+    """``/metrics`` alone, for a port of its own: the public port lists no tenant to anyone."""
+    app = web.Application()
+    app.router.add_get("/metrics", gateway.handle_metrics)
     return app
 
 
@@ -682,28 +1029,65 @@ async def running_gateway(
     host: str = "127.0.0.1",
     port: int = 0,
     metrics: GatewayMetrics | None = None,
+    *,
+    metrics_host: str | None = None,
+    metrics_port: int = 0,
 ) -> AsyncIterator[tuple[str, Gateway]]:
-    """Start the gateway on ``host:port`` (0: a free port); yield its base URL and state; stop it."""
+    """Start the gateway on ``host:port`` and its metrics on ``metrics_host:metrics_port`` (0: a free
+    port; the host defaults to ``host``); yield the public base URL and the state (its ``metrics_url``
+    set); stop both."""
     app = build_app(settings, metrics)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    gateway = app[GATEWAY_KEY]
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, keepalive_timeout=settings.idle_timeout_s
+    )
+    metrics_runner = web.AppRunner(build_metrics_app(gateway), access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=2048)
+        await metrics_runner.setup()
+        site = GuardedSite(runner, host, port, gateway.guards)
         await site.start()
-        bound = runner.addresses[0]
-        yield f"http://{host}:{bound[1]}", app[GATEWAY_KEY]
+        metrics_site = web.TCPSite(metrics_runner, metrics_host or host, metrics_port)
+        await metrics_site.start()
+        gateway.metrics_url = f"http://{metrics_host or host}:{metrics_runner.addresses[0][1]}"
+        yield f"http://{host}:{runner.addresses[0][1]}", gateway
     finally:
+        await metrics_runner.cleanup()
         await runner.cleanup()
 
 
-async def serve(settings: GatewaySettings, host: str, port: int) -> None:
+def _raise_open_files_limit(wanted: int) -> None:
+    """Raise the soft open-files limit toward ``wanted`` (up to the hard limit) so that the connection
+    bound, not the descriptor limit, is what turns clients away."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning(
+            "open-files limit %d is below what --max-connections and the upstream pool need (%d); "
+            "clients may be refused by the limit before the bound",
+            soft,
+            wanted,
+        )
+
+
+async def serve(
+    settings: GatewaySettings, host: str, port: int, metrics_host: str, metrics_port: int
+) -> None:
     """Run the gateway until SIGTERM/SIGINT, then drain in-flight requests and stop."""
+    _raise_open_files_limit(settings.max_connections + settings.upstream_connections + 256)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    async with running_gateway(settings, host, port) as (url, _gateway):
-        log.info("kvfleet gateway listening on %s", url)
+    async with running_gateway(
+        settings, host, port, metrics_host=metrics_host, metrics_port=metrics_port
+    ) as (url, gateway):
+        log.info("kvfleet gateway listening on %s, metrics on %s", url, gateway.metrics_url)
+        await gateway.warm_parse_workers()
         await stop.wait()
         log.info("shutting down: draining in-flight requests")

@@ -14,6 +14,7 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from kvfleet_runtime.config import (
@@ -29,6 +30,21 @@ from kvfleet_runtime.config_watch import ConfigFile, RuntimeConfigWatcher
 log = logging.getLogger("kvfleet.gateway")
 
 _BEARER = "bearer "
+#: Longest ``Authorization`` header looked at; anything longer is no key of ours.
+MAX_AUTHORIZATION_CHARS = 4096
+
+
+class AuthFailure(StrEnum):
+    """Why ``GatewaySnapshot.authenticate`` found no tenant."""
+
+    #: No ``Authorization: Bearer <key>`` at all (401).
+    MISSING = "missing"
+    #: A bearer key that no tenant has (401).
+    UNKNOWN = "unknown"
+    #: The header is not valid UTF-8, so it cannot be a key (400).
+    MALFORMED = "malformed"
+    #: More than one tenant lists this key: refused for all of them, never routed (403).
+    AMBIGUOUS = "ambiguous"
 
 
 @dataclass(frozen=True)
@@ -39,8 +55,10 @@ class TenantRuntime:
     pool: PoolEntry
     cache_salt: str
     models: frozenset[str]
-    #: The tenant's burst limit in tokens (hbm_burst_blocks x block_size); ``None``: no KV budget.
-    kv_budget_tokens: int | None
+    #: The tenant's HBM burst cap in blocks (``hbm_burst_blocks``); ``None`` (0 in the table): no cap.
+    kv_burst_blocks: int | None = None
+    #: The model's context length, when the pool's engine settings name it.
+    max_model_len: int | None = None
 
     @property
     def name(self) -> str:
@@ -50,6 +68,11 @@ class TenantRuntime:
     def tier(self) -> str:
         return self.entry.tier.value
 
+    @property
+    def kv_budget_tokens(self) -> int | None:
+        """The burst cap in tokens: what the tenant's admitted requests may hold at once."""
+        return None if self.kv_burst_blocks is None else self.kv_burst_blocks * self.pool.block_size
+
 
 @dataclass(frozen=True)
 class GatewaySnapshot:
@@ -57,31 +80,47 @@ class GatewaySnapshot:
 
     table: TenantTable
     tenants: dict[str, TenantRuntime]
-    #: SHA-256 hex digest of an API key -> (tenant name, the stored digest).
+    #: SHA-256 hex digest of an API key -> (tenant name, the stored digest); one owner per key only.
     key_index: dict[str, tuple[str, str]]
+    #: Digests listed by more than one tenant: refused for every one of them.
+    ambiguous_keys: frozenset[str] = frozenset()
 
-    def authenticate(self, authorization: str | None) -> TenantRuntime | None:
-        """The tenant owning the bearer key in ``authorization``; ``None`` for anything else.
+    def authenticate(self, authorization: str | None) -> TenantRuntime | AuthFailure:
+        """The one tenant owning the bearer key in ``authorization``, or why there is none.
 
         The dict lookup finds the candidate by digest; ``hmac.compare_digest`` then compares the stored
         digest in constant time, so the answer does not depend on how many leading characters matched.
+        A header that is not valid UTF-8 arrives with surrogate escapes for its bad bytes (aiohttp's
+        decoding) and is ``MALFORMED``.
         """
-        if not authorization or len(authorization) > 4096:
-            return None
+        if not authorization or len(authorization) > MAX_AUTHORIZATION_CHARS:
+            return AuthFailure.MISSING if not authorization else AuthFailure.UNKNOWN
         if authorization[: len(_BEARER)].lower() != _BEARER:
-            return None
+            return AuthFailure.MISSING
         key = authorization[len(_BEARER) :].strip()
         if not key:
-            return None
+            return AuthFailure.MISSING
+        if not key.isascii():
+            try:
+                key.encode()
+            except UnicodeEncodeError:
+                return AuthFailure.MALFORMED
         digest = hash_api_key(key)
+        if digest in self.ambiguous_keys:
+            return AuthFailure.AMBIGUOUS
         hit = self.key_index.get(digest)
         if hit is None or not hmac.compare_digest(hit[1], digest):
-            return None
-        return self.tenants.get(hit[0])
+            return AuthFailure.UNKNOWN
+        return self.tenants.get(hit[0]) or AuthFailure.UNKNOWN
 
 
 def build_snapshot(table: TenantTable, keys: KeyFile) -> GatewaySnapshot:
-    """Derive salts, budgets and the key index. Keys of tenants missing from the table are ignored."""
+    """Derive salts, budgets and the key index.
+
+    Keys of tenants missing from the table are ignored, except that they still make a key ambiguous: a
+    digest listed under more than one tenant name anywhere in the key file is routed for none of them,
+    and a warning names the tenants (never the key or its digest).
+    """
     tenants: dict[str, TenantRuntime] = {}
     for name, entry in table.tenants.items():
         pool = table.pools[entry.pool]
@@ -91,7 +130,18 @@ def build_snapshot(table: TenantTable, keys: KeyFile) -> GatewaySnapshot:
             pool=pool,
             cache_salt=derive_cache_salt(keys.salt_key, entry.salt_id),
             models=frozenset(entry.models),
-            kv_budget_tokens=burst * pool.block_size if burst > 0 else None,
+            kv_burst_blocks=burst if burst > 0 else None,
+            max_model_len=pool.engine.max_model_len if pool.engine is not None else None,
+        )
+    owners: dict[str, set[str]] = {}
+    for tenant, digests in keys.key_hashes.items():
+        for digest in digests:
+            owners.setdefault(digest, set()).add(tenant)
+    ambiguous = frozenset(d for d, names in owners.items() if len(names) > 1)
+    for names in sorted({tuple(sorted(owners[d])) for d in ambiguous}):
+        log.warning(
+            "one API key is listed by tenants %s; it is refused for all of them until it is listed by one",
+            ", ".join(repr(n) for n in names),
         )
     key_index: dict[str, tuple[str, str]] = {}
     for tenant, digests in keys.key_hashes.items():
@@ -99,8 +149,9 @@ def build_snapshot(table: TenantTable, keys: KeyFile) -> GatewaySnapshot:
             log.warning("key file lists tenant %r that the tenant table does not have; ignored", tenant)
             continue
         for digest in digests:
-            key_index[digest] = (tenant, digest)
-    return GatewaySnapshot(table=table, tenants=tenants, key_index=key_index)
+            if digest not in ambiguous:
+                key_index[digest] = (tenant, digest)
+    return GatewaySnapshot(table=table, tenants=tenants, key_index=key_index, ambiguous_keys=ambiguous)
 
 
 def load_snapshot(config_path: Path, keys_path: Path) -> GatewaySnapshot:

@@ -1,9 +1,15 @@
-"""Support for the gateway tests: an OpenAI-shaped upstream and tenant-table builders (no tests here).
+"""Support for the gateway tests: an OpenAI-shaped upstream, tenant-table builders and the gateway as a
+process (no tests here).
 
 ``FakeEngine`` is a test double for the *HTTP shape* of vLLM's OpenAI server only (routes, JSON and SSE
 framing, ``usage``, ``/health``); the gateway's behaviour against the real vLLM is tested in
 tests/engine/test_gateway_vllm.py. It records what reached it, so tests can check what the gateway
-rewrote, and counts handlers cancelled by a client disconnect.
+rewrote and how many times a request reached an engine, counts handlers cancelled by a client
+disconnect, and can fail the way a crashing engine does (drop the connection after reading a request,
+or in the middle of a stream).
+
+``gateway_process`` runs the real gateway (``python -m kvfleet_runtime gateway``) as its own process on
+real sockets, for the attack tests in tests/security.
 """
 
 from __future__ import annotations
@@ -11,14 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kvfleet_runtime.config import (
@@ -56,6 +66,12 @@ class FakeEngine:
     chunk_interval_s: float = 0.0
     healthy: bool = True
     status: int = 200
+    #: Drop the connection after reading a request, without answering (an engine that crashed on it).
+    drop_after_request: bool = False
+    #: Drop the connection after this many streamed chunks (an engine that died mid-answer).
+    break_stream_after: int | None = None
+    #: End a stream without its ``data: [DONE]`` event.
+    omit_done: bool = False
     received: list[Received] = field(default_factory=list)
     cancelled: int = 0
     finished: int = 0
@@ -85,6 +101,10 @@ class FakeEngine:
         self.received.append(Received(request.path, dict(request.headers), body, time.monotonic()))
         chat = request.path.endswith("/chat/completions")
         try:
+            if self.drop_after_request:
+                assert request.transport is not None
+                request.transport.abort()
+                await asyncio.sleep(3600)  # cancelled by the lost connection
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             if self.status != 200:
@@ -125,6 +145,10 @@ class FakeEngine:
         pieces = [" ".join(words[i : i + per]) for i in range(0, len(words), per)] or [""]
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "created": 0, "model": body.get("model")}
         for i, piece in enumerate(pieces):
+            if self.break_stream_after is not None and i == self.break_stream_after:
+                assert request.transport is not None
+                request.transport.abort()
+                await asyncio.sleep(3600)  # cancelled by the lost connection
             if chat:
                 choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
             else:
@@ -142,13 +166,14 @@ class FakeEngine:
         if (body.get("stream_options") or {}).get("include_usage"):
             chunk = {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
             await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await out.write(b"data: [DONE]\n\n")
+        if not self.omit_done:
+            await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         self.finished += 1
         return out
 
     async def start(self) -> str:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # what the gateway forwards, it takes
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
@@ -242,3 +267,119 @@ def write_config(directory: Path, table: TenantTable, keys: KeyFile) -> tuple[Pa
     config.write_text(dump_json(table))
     keyfile.write_text(dump_json(keys))
     return config, keyfile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class GatewayProcess:
+    """A running ``kvfleet gateway`` process."""
+
+    url: str
+    metrics_url: str
+    proc: asyncio.subprocess.Process
+    log_path: Path
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return host, int(port)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def open_fds(self) -> int:
+        """File descriptors the gateway process holds (sockets included)."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS in /proc/<pid>/status")
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(
+    directory: Path, config: Path, keys: Path, *flags: str, ready_timeout_s: float = 60.0
+) -> AsyncIterator[GatewayProcess]:
+    """Start the gateway as a process (public and metrics ports on loopback), wait until it is ready
+    (it has loaded the table and found a healthy engine), yield it, then stop it with SIGTERM."""
+    port, metrics_port = free_port(), free_port()
+    log_path = directory / f"gateway-{port}.log"
+    command = [
+        sys.executable, "-m", "kvfleet_runtime", "gateway", "--config", str(config), "--keys", str(keys),
+        "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port}",
+        "--health-interval", "0.5", "--reload-interval", "0.2", *flags,
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if proc.returncode is not None:
+                    raise AssertionError(
+                        f"the gateway exited with {proc.returncode}:\n{gateway.log()[-3000:]}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(gateway.url + "/readyz") as r:
+                        if r.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the gateway was not ready in time:\n{gateway.log()[-3000:]}")
+                await asyncio.sleep(0.1)
+        yield gateway
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def _flood(url: str, key: str, body: bytes, seconds: float, concurrency: int) -> dict[int, int]:
+    statuses: dict[int, int] = {}
+    end = time.monotonic() + seconds
+
+    async def one(http: aiohttp.ClientSession) -> None:
+        while time.monotonic() < end:
+            async with http.post(url, data=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                await r.read()
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(one(http) for _ in range(concurrency)))
+    return statuses
+
+
+async def flood_from_another_process(
+    url: str, key: str, body_path: Path, seconds: float, concurrency: int
+) -> dict[int, int]:
+    """POST the body at ``body_path`` to ``url`` from ``concurrency`` connections for ``seconds``, from a
+    process of its own (an attacker is another client: its sending must not slow the test's own
+    measurements), and return how many answers of each status it got."""
+    code = (
+        "import asyncio, json, sys; from pathlib import Path; import gateway_support as g; "
+        "print(json.dumps(asyncio.run(g._flood(sys.argv[1], sys.argv[2], Path(sys.argv[3]).read_bytes(), "
+        "float(sys.argv[4]), int(sys.argv[5])))))"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, url, key, str(body_path), str(seconds), str(concurrency),
+        stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out
+    return {int(k): v for k, v in json.loads(out).items()}

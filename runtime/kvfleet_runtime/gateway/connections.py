@@ -1,0 +1,211 @@
+"""Connection hygiene for the gateway's public socket: a bound on open connections, a header-read timeout.
+
+aiohttp bounds the idle time between requests (its keep-alive timeout) and the server bounds the body
+read (it reads bodies itself, after authentication), but nothing bounds the time a client takes to send
+a request's *headers*: a client sending one header byte every few seconds keeps its connection, and a
+file descriptor, for as long as it likes (slow-loris). ``GuardedSite`` is aiohttp's TCP site with every
+connection wrapped in a ``_Guard`` protocol that:
+
+* refuses a connection beyond ``max_connections`` with a ``503`` and closes it at once, so connections
+  over the bound are never queued and the process's file descriptors stay bounded;
+* gives each request ``header_timeout_s`` to deliver its headers, counted from accept for a connection's
+  first request and from the request's first byte after that (Go's ``ReadHeaderTimeout``); a request
+  that is late gets a ``408`` and its connection is closed;
+* learns that a request's headers are complete when the blank line that ends them arrives, and that the
+  connection is between requests when the app starts a response (``ConnectionGuards.on_response_prepare``,
+  registered on the app), after which the next byte starts the next request's header clock.
+
+The guard only looks for the end of the header block; aiohttp still parses everything, so what the
+guard sees changes nothing but when a connection is closed. A client that keeps a connection without
+sending anything is closed by aiohttp's keep-alive timeout (``idle_timeout_s`` of the server), and, for
+its first request, by the header timeout here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+_HEADERS, _REQUEST, _IDLE = 0, 1, 2
+
+
+def _plain_response(status: str, message: str) -> bytes:
+    body = (
+        '{"error": {"message": "' + message + '", "type": "server_error", "param": null, "code": null}}'
+    ).encode()
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode() + body
+
+
+_BUSY = _plain_response("503 Service Unavailable", "the gateway has too many open connections")
+_HEADER_TIMEOUT = _plain_response("408 Request Timeout", "request headers not received in time")
+
+
+class ConnectionGuards:
+    """The guards of one listening socket: their settings, the open connections and what was closed.
+
+    ``on_refused`` and ``on_header_timeout`` are called once per connection closed for that reason (the
+    gateway counts them in its metrics).
+    """
+
+    def __init__(
+        self,
+        max_connections: int,
+        header_timeout_s: float,
+        on_refused: Callable[[], None] = lambda: None,
+        on_header_timeout: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.on_refused = on_refused
+        self.on_header_timeout = on_header_timeout
+        #: Open connections, by the aiohttp protocol each one wraps (how a request finds its guard).
+        self.by_protocol: dict[object, _Guard] = {}
+
+    @property
+    def open(self) -> int:
+        return len(self.by_protocol)
+
+    async def on_response_prepare(self, request: web.BaseRequest, _response: web.StreamResponse) -> None:
+        """An ``app.on_response_prepare`` receiver: the request's connection is between requests now."""
+        guard = self.by_protocol.get(request.protocol)
+        if guard is not None:
+            guard.response_started()
+
+
+class _Guard(asyncio.Protocol):
+    """One connection: aiohttp's protocol inside, the bound and the header clock around it."""
+
+    __slots__ = ("_guards", "_inner", "_refused", "_started", "_state", "_tail", "_timer", "_transport")
+
+    def __init__(self, inner: Any, guards: ConnectionGuards) -> None:
+        self._inner = inner
+        self._guards = guards
+        self._transport: asyncio.Transport | None = None
+        self._state = _HEADERS
+        self._timer: asyncio.TimerHandle | None = None
+        self._tail = b""
+        self._started = False
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no subclass of it
+        guards = self._guards
+        if guards.open >= guards.max_connections:
+            self._refused = True
+            guards.on_refused()
+            transport.write(_BUSY)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        guards.by_protocol[self._inner] = self
+        self._begin_headers()
+        self._inner.connection_made(transport)
+
+    def _begin_headers(self) -> None:
+        self._state = _HEADERS
+        self._tail = b""
+        self._started = False
+        self._timer = asyncio.get_running_loop().call_later(
+            self._guards.header_timeout_s, self._header_timeout
+        )
+
+    def _end_headers(self) -> None:
+        self._state = _REQUEST
+        self._tail = b""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def response_started(self) -> None:
+        if self._state == _REQUEST:
+            self._state = _IDLE
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._state != _REQUEST:
+            if self._state == _IDLE:
+                self._begin_headers()
+            self._scan(data)
+        self._inner.data_received(data)
+
+    def _scan(self, data: bytes) -> None:
+        """Look for the blank line that ends the header block (CRLF, or bare LF, which aiohttp allows)."""
+        if not self._started:
+            data = data.lstrip(b"\r\n")  # empty lines before a request line are not a request yet
+            if not data:
+                return
+            self._started = True
+        seam = self._tail + data[:3]
+        if b"\r\n\r\n" in data or b"\n\n" in data or b"\r\n\r\n" in seam or b"\n\n" in seam:
+            self._end_headers()
+        else:
+            self._tail = (self._tail + data)[-3:]
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if self._state != _HEADERS or transport is None or transport.is_closing():
+            return
+        self._guards.on_header_timeout()
+        transport.write(_HEADER_TIMEOUT)
+        transport.close()
+
+    def eof_received(self) -> bool | None:
+        return None if self._refused else self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        if not self._refused:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if not self._refused:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._refused:
+            return
+        self._guards.by_protocol.pop(self._inner, None)
+        self._inner.connection_lost(exc)
+
+
+class GuardedSite(web.BaseSite):
+    """aiohttp's ``TCPSite`` with every connection behind a ``_Guard`` (see the module docstring)."""
+
+    __slots__ = ("_bound_port", "_guards", "_host", "_port")
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, guards: ConnectionGuards, *, backlog: int = 2048
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._guards = guards
+        self._bound_port: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._bound_port or self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        guards = self._guards
+
+        def wrapped() -> asyncio.Protocol:
+            return _Guard(server(), guards)
+
+        self._server = await asyncio.get_running_loop().create_server(
+            wrapped, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
+        if self._server.sockets:
+            self._bound_port = self._server.sockets[0].getsockname()[1]
