@@ -205,7 +205,10 @@ def start_data_plane(stack: Stack, plane: ControlPlane) -> DataPlane:
     secret = kube(plane, "GET", f"/api/v1/namespaces/{DEMO_NS}/secrets/{MD}-keys")
     table = TenantTable.model_validate_json(cm["data"]["tenants.json"])
     key_file = KeyFile.model_validate_json(base64.b64decode(secret["data"]["keys.json"]))
-    ports = {name: free_port() for name in ("vllm", "lmcache", "lmcache_http", "sync", "plugin", "gateway")}
+    ports = {
+        name: free_port()
+        for name in ("vllm", "lmcache", "lmcache_http", "sync", "plugin", "gateway", "gateway_metrics")
+    }
     # The cluster's engine pods are kwok fakes: point the shared pool at the local engine instead.
     pools = {
         name: pool.model_copy(update={"endpoints": [f"http://127.0.0.1:{ports['vllm']}"]})
@@ -231,7 +234,8 @@ def start_data_plane(stack: Stack, plane: ControlPlane) -> DataPlane:
     gateway = stack.start(
         "gateway",
         [*kvfleet, "gateway", "--config", str(config), "--keys", str(keys_path),
-         "--listen", f"127.0.0.1:{ports['gateway']}"],
+         "--listen", f"127.0.0.1:{ports['gateway']}",
+         "--metrics-listen", f"127.0.0.1:{ports['gateway_metrics']}"],
         {**os.environ},
     )  # fmt: skip
     say("waiting for vLLM-CPU (the tiny model; 30-120 s)")
@@ -437,7 +441,7 @@ def run(keep: bool, rounds: int, report_path: Path | None) -> int:
         say("starting the data plane locally: LMCache + vLLM-CPU + plugin + quota sync, and the gateway")
         dp = start_data_plane(stack, plane)
         targets = {
-            "gateway": [f"127.0.0.1:{dp.ports['gateway']}"],
+            "gateway": [f"127.0.0.1:{dp.ports['gateway_metrics']}"],
             "vllm": [f"127.0.0.1:{dp.ports['vllm']}"],
             "kvfleet-engine": [f"127.0.0.1:{dp.ports['plugin']}"],
             "lmcache-sync": [f"127.0.0.1:{dp.ports['sync']}"],

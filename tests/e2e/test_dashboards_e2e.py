@@ -225,13 +225,15 @@ def system(
     (tmp / "tenants.json").write_text(dump_json(build_table([vllm.base_url], [lmcache.http_url])))
     files = ["--config", str(tmp / "tenants.json"), "--keys", str(tmp / "keys.json")]
     sync_port, gateway_port, operator_port = free_port(), free_port(), free_port()
+    gateway_metrics_port = free_port()
     procs["sync"] = Proc(
         ["engine", "lmcache-sync", *files, "--pool", POOL, "--interval", "1",
          "--metrics-port", str(sync_port), "--metrics-host", "127.0.0.1"],
         tmp / "sync.log",
     )  # fmt: skip
     procs["gateway"] = Proc(
-        ["gateway", *files, "--listen", f"127.0.0.1:{gateway_port}", "--health-interval", "1",
+        ["gateway", *files, "--listen", f"127.0.0.1:{gateway_port}",
+         "--metrics-listen", f"127.0.0.1:{gateway_metrics_port}", "--health-interval", "1",
          "--log-level", "WARNING"],
         tmp / "gateway.log",
     )  # fmt: skip
@@ -253,7 +255,7 @@ def system(
 
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     targets = {
-        "gateway": [f"127.0.0.1:{gateway_port}"],
+        "gateway": [f"127.0.0.1:{gateway_metrics_port}"],
         "vllm": [f"127.0.0.1:{vllm.port}"],
         "engine-plugin": [f"127.0.0.1:{plugin_port}"],
         "lmcache-sync": [f"127.0.0.1:{sync_port}"],

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from kvfleet_operator.build.common import GATEWAY_PORT, Owner, object_labels, selector_labels
+from kvfleet_operator.build.common import (
+    GATEWAY_METRICS_PORT,
+    GATEWAY_PORT,
+    Owner,
+    object_labels,
+    selector_labels,
+)
 from kvfleet_operator.build.gateway import (
     GatewayWorkload,
     build_engine_pdb,
@@ -39,7 +45,10 @@ CONTAINER = f"{POD}.containers[0]"
                     "requests": {"cpu": "500m", "memory": "256Mi"},
                     "limits": {"memory": "1Gi"},
                 },
-                f"{CONTAINER}.ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+                f"{CONTAINER}.ports": [
+                    {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
+                    {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+                ],
                 f"{CONTAINER}.readinessProbe.httpGet": {"path": "/readyz", "port": "http"},
                 f"{CONTAINER}.livenessProbe.httpGet": {"path": "/healthz", "port": "http"},
                 f"{POD}.automountServiceAccountToken": False,
@@ -86,6 +95,8 @@ def test_deployment_selects_its_pods_and_mounts_the_runtime_config() -> None:
     command = pod["containers"][0]["command"]
     assert command[:2] == ["kvfleet", "gateway"]
     assert command[command.index("--listen") + 1] == f"0.0.0.0:{GATEWAY_PORT}"
+    assert command[command.index("--metrics-listen") + 1] == f"0.0.0.0:{GATEWAY_METRICS_PORT}"
+    assert command[command.index("--replicas") + 1] == "2"  # each replica enforces half the rate limits
     assert command[command.index("--config") + 1] == "/etc/kvfleet/config/tenants.json"
     assert command[command.index("--keys") + 1] == "/etc/kvfleet/keys/keys.json"
     mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
@@ -105,7 +116,8 @@ def test_service(gateway: GatewayWorkload, service_type: str) -> None:
     assert svc["spec"]["type"] == service_type
     assert svc["spec"]["selector"] == selector_labels("m", "gateway")
     assert svc["spec"]["ports"] == [
-        {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}
+        {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
     ]
 
 

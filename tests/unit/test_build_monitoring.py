@@ -40,7 +40,7 @@ def _pool(pool: str) -> PoolWorkload:
                 "metadata.name": "m-gateway",
                 "metadata.ownerReferences[0].uid": "md-uid",
                 "spec.selector.matchLabels": selector_labels("m", "gateway"),
-                "spec.endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+                "spec.endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
             },
             id="gateway-service-monitor",
         ),

@@ -8,6 +8,7 @@ import pytest
 
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
+    GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
@@ -55,11 +56,16 @@ def test_engine_policy(pool: str, owner: Owner, name: str) -> None:
         assert not _ports(rule) & {LMCACHE_PORT, LMCACHE_HTTP_PORT}
 
 
-def test_gateway_policy_admits_anyone_on_its_one_port() -> None:
+def test_gateway_policy_admits_anyone_on_its_api_port_and_scrapers_on_its_metrics_port() -> None:
     policy = build_gateway_network_policy("ns", "m", OWNER)
     assert policy["metadata"]["name"] == "m-gateway"
     assert policy["spec"]["podSelector"] == {"matchLabels": selector_labels("m", "gateway")}
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    (rule,) = policy["spec"]["ingress"]
-    assert "from" not in rule  # any source
-    assert _ports(rule) == {GATEWAY_PORT}
+    api, metrics = policy["spec"]["ingress"]
+    assert "from" not in api  # any source
+    assert _ports(api) == {GATEWAY_PORT}
+    # The metrics name every tenant: only pods labelled as scrapers, in any namespace.
+    assert metrics["from"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"kvfleet.io/metrics-scraper": "true"}}}
+    ]
+    assert _ports(metrics) == {GATEWAY_METRICS_PORT}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvfleet_operator.build.common import (
     CONFIG_DIR,
+    GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     KEY_FILE_KEY,
     KEYS_DIR,
@@ -53,8 +54,16 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
             f"{KEYS_DIR}/{KEY_FILE_KEY}",
             "--listen",
             f"0.0.0.0:{GATEWAY_PORT}",
+            "--metrics-listen",
+            f"0.0.0.0:{GATEWAY_METRICS_PORT}",
+            # Each replica enforces 1/replicas of every tenant's rate limits.
+            "--replicas",
+            str(g.replicas),
         ],
-        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+        ],
         "resources": {
             "requests": {"cpu": g.cpu_request, "memory": g.memory_request},
             "limits": {"memory": g.memory_limit},
@@ -100,7 +109,11 @@ def build_gateway_service(g: GatewayWorkload) -> Obj:
         "spec": {
             "type": g.service_type,
             "selector": selector_labels(g.model_deployment, "gateway"),
-            "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"},
+                # For the ServiceMonitor; the NetworkPolicy admits only labelled scrapers to it.
+                {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+            ],
         },
     }
 

@@ -27,7 +27,7 @@ def build_gateway_service_monitor(g: GatewayWorkload) -> Obj:
         ),
         "spec": {
             "selector": {"matchLabels": selector_labels(g.model_deployment, "gateway")},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
         },
     }
 

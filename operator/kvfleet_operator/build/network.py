@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
+    GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     LABEL_SCRAPER,
     LMCACHE_SYNC_METRICS_PORT,
@@ -60,7 +61,8 @@ def build_engine_network_policy(namespace: str, model_deployment: str, pool: str
 
 
 def build_gateway_network_policy(namespace: str, model_deployment: str, owner: Owner) -> Obj:
-    """The gateway is the front door: client traffic from anywhere, on its one port only."""
+    """The gateway is the front door: client traffic from anywhere on its API port; its metrics port
+    only from labelled scrapers (the metrics name every tenant)."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -70,6 +72,14 @@ def build_gateway_network_policy(namespace: str, model_deployment: str, owner: O
         "spec": {
             "podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")},
             "policyTypes": ["Ingress"],
-            "ingress": [{"ports": _ports(GATEWAY_PORT)}],
+            "ingress": [
+                {"ports": _ports(GATEWAY_PORT)},
+                {
+                    "from": [
+                        {"namespaceSelector": {}, "podSelector": {"matchLabels": {LABEL_SCRAPER: "true"}}}
+                    ],
+                    "ports": _ports(GATEWAY_METRICS_PORT),
+                },
+            ],
         },
     }
