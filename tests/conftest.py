@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Every test sits in a folder named after its marker; mark it so ``-m`` selects by folder."""
     for item in items:
         parts = item.path.parts
-        for marker in ("unit", "cluster", "engine", "e2e"):
+        for marker in ("unit", "cluster", "engine", "e2e", "security"):
             if marker in parts:
                 item.add_marker(getattr(pytest.mark, marker))
 
