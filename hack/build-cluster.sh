@@ -8,6 +8,11 @@
 # kube-scheduler, kubectl, etcd, kwok, helm; $KVFLEET_CACHE/kwok-stages: kwok's stage configs copied from
 # its module; prometheus and promtool come from Debian's `prometheus` package (apt).
 #
+# The real node (step `node`, run by hack/provision.d/30-node.sh, not by default): kubelet and kube-proxy
+# (same wrapper module and version as the control plane), pause (the pod sandbox, hack/cluster/pause),
+# coredns (hack/cluster/coredns: CoreDNS with the plugins a cluster DNS needs), kube-router (its
+# NetworkPolicy firewall), plus Debian's containerd, runc, CNI plugins, ipset and conntrack (apt).
+#
 # Every Go binary is built through the Go module proxy from a small wrapper module under hack/cluster/.
 # The k8s.io/* staging modules that k8s.io/kubernetes replaces with ./staging paths are read from that
 # release's own go.mod and replaced by their published v0.X.Y tags in hack/cluster/kubernetes/go.mod.
@@ -24,6 +29,8 @@ K8S_VERSION=v1.37.2
 ETCD_VERSION=v3.6.16
 KWOK_VERSION=v0.8.0
 HELM_VERSION=v3.22.0
+COREDNS_VERSION=v1.15.0
+KUBE_ROUTER_VERSION=v2.1.0
 
 FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
@@ -36,7 +43,8 @@ log() { printf '[build-cluster %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 # The fingerprint of one build: inputs that change the binary. A matching stamp + present binaries = skip.
 fingerprint() {
   local dir=$1 ldflags=$2
-  { go version; echo "$ldflags"; cat "$dir"/go.mod "$dir"/go.sum; cat "$dir"/*.go 2>/dev/null || true; } |
+  { go version; echo "$ldflags"; cat "$dir"/go.mod; cat "$dir"/go.sum 2>/dev/null || true
+    cat "$dir"/*.go 2>/dev/null || true; } |
     sha256sum | cut -d' ' -f1
 }
 
@@ -93,7 +101,7 @@ sync_kubernetes_module() {
   args+=("-go=1.26.0" "-require=k8s.io/kubernetes@$K8S_VERSION")
   local m
   for m in "${staging[@]}"; do args+=("-replace=$m=$m@$staging_version"); done
-  for m in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  for m in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
     args+=("-tool=k8s.io/kubernetes/cmd/$m")
   done
   (cd "$dir" && go mod edit "${args[@]}")
@@ -128,22 +136,85 @@ build_etcd() {
   build_group etcd "$dir" "-X go.etcd.io/etcd/api/v3/version.GitSHA=${commit:0:7}" kvfleet.dev/hack/cluster/etcd
 }
 
-build_kubernetes() {
-  local dir=$ROOT/hack/cluster/kubernetes
-  sync_kubernetes_module
+# The same ldflags as kubernetes' hack/lib/version.sh (kube::version::ldflags).
+kubernetes_ldflags() {
   local commit minor info date ldflags="" pkg
   commit=$(module_commit "k8s.io/kubernetes@$K8S_VERSION")
   info=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION")
   date=$(echo "$info" | jq -r '.Time')
   minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
-  # The same ldflags as kubernetes' hack/lib/version.sh (kube::version::ldflags).
   for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
     ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     ldflags+=" -X $pkg.gitCommit=$commit -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
   done
+  echo "$ldflags"
+}
+
+build_kubernetes() {
+  local dir=$ROOT/hack/cluster/kubernetes ldflags
+  sync_kubernetes_module
+  ldflags=$(kubernetes_ldflags)
   build_group kubernetes "$dir" "$ldflags" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+}
+
+# kubelet and kube-proxy: the same module, version and ldflags as the control plane (one go.mod lists them
+# as tools), in their own group so the control plane is not relinked when only these are missing.
+build_kubelet() {
+  local dir=$ROOT/hack/cluster/kubernetes ldflags
+  sync_kubernetes_module
+  ldflags=$(kubernetes_ldflags)
+  build_group kubernetes-node "$dir" "$ldflags" k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
+}
+
+# The pod sandbox binary; hack/devcluster packs it into the image containerd's sandbox_image names.
+build_pause() {
+  CGO_ENABLED=0 build_group pause "$ROOT/hack/cluster/pause" "" kvfleet.dev/hack/cluster/pause
+}
+
+build_coredns() {
+  local dir=$ROOT/hack/cluster/coredns commit
+  sync_module "$dir" github.com/coredns/coredns "$COREDNS_VERSION"
+  commit=$(module_commit "github.com/coredns/coredns@$COREDNS_VERSION")
+  # coredns' Makefile stamps the commit the same way.
+  build_group coredns "$dir" "-X github.com/coredns/coredns/coremain.GitCommit=${commit:0:7}" \
+    kvfleet.dev/hack/cluster/coredns
+}
+
+build_kube_router() {
+  local dir=$ROOT/hack/cluster/kube-router
+  sync_module "$dir" github.com/cloudnativelabs/kube-router/v2 "$KUBE_ROUTER_VERSION" \
+    github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
+  # kube-router's Makefile: pkg/version.Version (and BuildDate, left empty for a reproducible binary).
+  CGO_ENABLED=0 build_group kube-router "$dir" \
+    "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION" \
+    github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
+}
+
+# Debian's container runtime and network tools for the real node (containerd 1.6 + runc, CNI plugins in
+# /usr/lib/cni, ipset/conntrack/iptables for kube-proxy and kube-router).
+install_node_packages() {
+  local want=(containerd runc containernetworking-plugins ipset conntrack iptables) missing=() p
+  for p in "${want[@]}"; do dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p"); done
+  if [ ${#missing[@]} = 0 ]; then
+    log "node packages: installed (containerd $(containerd --version | awk '{print $3}'), $(runc --version | head -1))"
+    return
+  fi
+  log "node packages: apt-get install ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  local policy=/usr/sbin/policy-rc.d created=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod +x "$policy" && created=1
+  fi
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  [ "$created" = 0 ] || $sudo rm -f "$policy"
+  # The devcluster starts its own containerd with its own config and socket; never the system service.
+  if command -v systemctl >/dev/null && systemctl is-active --quiet containerd 2>/dev/null; then
+    $sudo systemctl stop containerd && $sudo systemctl disable containerd || true
+  fi
 }
 
 build_kwok() {
@@ -208,6 +279,12 @@ for step in $steps; do
     kwok) build_kwok ;;
     helm) build_helm ;;
     prometheus) install_prometheus ;;
+    node) install_node_packages; build_kubelet; build_pause; build_coredns; build_kube_router ;;
+    node-packages) install_node_packages ;;
+    kubelet) build_kubelet ;;
+    pause) build_pause ;;
+    coredns) build_coredns ;;
+    kube-router) build_kube_router ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done

@@ -98,9 +98,9 @@ mkdir -p "$IMAGES_CACHE" "$PIP_CACHE"
 
 exists() { podman image exists "$1"; }
 mb() { du -sm "$1" 2>/dev/null | cut -f1; }
-record() {  # image ref seconds cached
-  printf '{"image": "%s", "ref": "%s", "seconds": %s, "cached": %s, "pip_cache_mb": %s, "date": "%s"}\n' \
-    "$1" "$2" "$3" "$4" "$(mb "$PIP_CACHE")" "$(date -u +%FT%TZ)" >>"$IMAGES_CACHE/builds.jsonl"
+record() {  # image ref seconds cached pip-cache-MB-before
+  printf '{"image": "%s", "ref": "%s", "seconds": %s, "cached": %s, "pip_cache_mb_before": %s, "pip_cache_mb": %s, "date": "%s"}\n' \
+    "$1" "$2" "$3" "$4" "$5" "$(mb "$PIP_CACHE")" "$(date -u +%FT%TZ)" >>"$IMAGES_CACHE/builds.jsonl"
 }
 
 build_base() {
@@ -108,7 +108,8 @@ build_base() {
     log "base: $BASE_REF exists"
     return
   fi
-  local tarball=$IMAGES_CACHE/base-$SUITE-$BASE_HASH.tar start=$SECONDS
+  local tarball=$IMAGES_CACHE/base-$SUITE-$BASE_HASH.tar start=$SECONDS pip_before
+  pip_before=$(mb "$PIP_CACHE")
   if [ ! -s "$tarball" ]; then
     log "base: mmdebstrap $SUITE ($(base_packages))"
     local args
@@ -124,7 +125,7 @@ build_base() {
     --message "Debian $SUITE essential + $(base_packages)" "$tarball" "$BASE_REF" >/dev/null
   podman tag "$BASE_REF" localhost/kvfleet-base:latest
   log "base: done in $((SECONDS - start)) s"
-  record base "$BASE_REF" $((SECONDS - start)) false
+  record base "$BASE_REF" $((SECONDS - start)) false "$pip_before"
 }
 
 # Copy exactly the context files into a fresh folder: the build sees nothing else (no .venv, no caches).
@@ -138,14 +139,15 @@ stage_context() {
 }
 
 build_image() {  # kvfleet|engine
-  local t=$1 name=${REPO_NAME[$1]} file=${DOCKERFILE[$1]} ref hash start=$SECONDS
+  local t=$1 name=${REPO_NAME[$1]} file=${DOCKERFILE[$1]} ref hash start=$SECONDS pip_before
+  pip_before=$(mb "$PIP_CACHE")
   exists "$BASE_REF" || die "base image $BASE_REF missing: hack/images.sh base"
   hash=$(inputs_hash "$file")
   ref=$REGISTRY/$name:$VERSION-${hash:0:12}
   if exists "$ref"; then
     log "$t: $ref exists (inputs unchanged)"
     podman tag "$ref" "$REGISTRY/$name:$VERSION"
-    record "$t" "$ref" 0 true
+    record "$t" "$ref" 0 true "$pip_before"
     return
   fi
   local ctx=$IMAGES_CACHE/context-$t
@@ -155,7 +157,7 @@ build_image() {  # kvfleet|engine
     "${BUILD_MOUNTS[@]}" --build-arg "BASE_IMAGE=$BASE_REF" --build-arg "VERSION=$VERSION" --build-arg "INPUTS_SHA256=$hash" \
     -f "$ctx/$file" -t "$ref" -t "$REGISTRY/$name:$VERSION" "$ctx"
   log "$t: done in $((SECONDS - start)) s; $(podman image inspect --format '{{.Size}}' "$ref" | numfmt --to=iec) "
-  record "$t" "$ref" $((SECONDS - start)) false
+  record "$t" "$ref" $((SECONDS - start)) false "$pip_before"
 }
 
 check_gpu_file() {

@@ -1,6 +1,6 @@
 """``python -m devcluster up|down|status|env|bench`` (run with ``hack`` on ``PYTHONPATH``).
 
-``up [--tier api|full]`` starts a control plane whose processes outlive the command, records it in
+``up [--tier api|full|node]`` starts a control plane whose processes outlive the command, records it in
 ``$KVFLEET_CACHE/devcluster/state.json`` and copies its admin kubeconfig to
 ``$KVFLEET_CACHE/devcluster/kubeconfig``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
 (``eval "$(python -m devcluster env)"``); ``status`` says what runs; ``down`` kills every process group
@@ -24,6 +24,7 @@ from pathlib import Path
 from .binaries import BUILD_COMMAND, bin_dir, cache_dir, missing_binaries
 from .binaries import FULL_TIER_BINARIES as FULL
 from .cluster import ControlPlane, start_control_plane
+from .node import missing_node_components
 
 
 def _state_file() -> Path:
@@ -49,7 +50,9 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     if existing is not None:
         existing.stop()
-    missing = missing_binaries(FULL if args.tier == "full" else FULL[:2])
+    missing = missing_binaries(FULL if args.tier in ("full", "node") else FULL[:2])
+    if args.tier == "node":
+        missing += missing_node_components()
     if missing:
         print(f"missing binaries: {', '.join(missing)}; build them with {BUILD_COMMAND}", file=sys.stderr)
         return 1
@@ -127,14 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devcluster", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a control plane (detached)")
-    up.add_argument("--tier", choices=["api", "full"], default="full")
+    up.add_argument("--tier", choices=["api", "full", "node"], default="full")
     up.add_argument("--timeout", type=float, default=float(os.environ.get("KVFLEET_CLUSTER_TIMEOUT", "180")))
     up.set_defaults(func=_up)
     sub.add_parser("down", help="stop it and remove its folder").set_defaults(func=_down)
     sub.add_parser("status", help="what runs (exit 1 when not ready)").set_defaults(func=_status)
     sub.add_parser("env", help="shell exports for kubectl/helm").set_defaults(func=_env)
     bench = sub.add_parser("bench", help="time --runs starts of a --tier plane (median)")
-    bench.add_argument("--tier", choices=["api", "full"], default="api")
+    bench.add_argument("--tier", choices=["api", "full", "node"], default="api")
     bench.add_argument("--runs", type=int, default=5)
     bench.add_argument("--timeout", type=float, default=180.0)
     bench.set_defaults(func=_bench)

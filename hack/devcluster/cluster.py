@@ -1,16 +1,19 @@
 """Start and stop a real local Kubernetes control plane on 127.0.0.1.
 
-Two tiers:
+Three tiers:
 
 * ``api``: etcd + kube-apiserver (RBAC, PodSecurity and the usual admission plugins, client-certificate
   auth, service-account token signing). Enough for CRDs, CEL validation, server-side apply and RBAC.
 * ``full``: ``api`` plus kube-controller-manager (garbage collector, Deployments, ReplicaSets,
   namespaces, service accounts and their tokens, ...), kube-scheduler and kwok keeping the fake GPU
   nodes of a :class:`~devcluster.layout.NodeLayout` Ready and their pods Running.
+* ``node``: ``full`` without the fake nodes, plus one real node (:mod:`devcluster.node`: containerd,
+  kubelet, kube-proxy, CoreDNS, kube-router's NetworkPolicy firewall) that runs kvfleet's own images. The
+  API server then listens on the machine's own address (pods must reach it), not on loopback.
 
-Every component listens on a free loopback port; everything lives in one temporary folder (PKI, etcd
-data, logs, the admin kubeconfig) that :meth:`ControlPlane.stop` removes after killing every process
-group it started.
+Every component listens on a free loopback port (the ``node`` tier's API server: the node address);
+everything lives in one temporary folder (PKI, etcd data, logs, the admin kubeconfig) that
+:meth:`ControlPlane.stop` removes after killing every process group it started.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ from .layout import (
     NodeLayout,
     build_node_manifest,
 )
+from .node import RealNode, detect_node_ip, start_real_node, stop_real_node
 from .pki import Pki, build_pki
 from .processes import ManagedProcess, find_free_port, start_process, wait_until
 
-Tier = Literal["api", "full"]
+Tier = Literal["api", "full", "node"]
+#: The processes a real node adds (stopped through :func:`~devcluster.node.stop_real_node`).
+NODE_PROCESSES = frozenset({"containerd", "kubelet", "kube-proxy", "coredns", "kube-router"})
 
 #: Admission plugins on top of the defaults that matter for an operator: PodSecurity labels on
 #: namespaces, NodeRestriction with the Node authorizer, quota and limit ranges.
@@ -111,6 +117,7 @@ class ControlPlane:
     layout: NodeLayout = DEFAULT_LAYOUT
     processes: list[ManagedProcess] = field(default_factory=list)
     started_in: dict[str, float] = field(default_factory=dict)
+    node: RealNode | None = None
 
     # --- clients --------------------------------------------------------------------------------------
 
@@ -221,7 +228,13 @@ class ControlPlane:
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def stop(self, remove_workdir: bool = True) -> None:
-        """Kill every started process group (last started first) and remove the work folder."""
+        """Kill every started process group (last started first) and remove the work folder; a real node
+        is drained and its changes to the machine undone first."""
+        if self.node is not None:
+            node_procs = [p for p in self.processes if p.name in NODE_PROCESSES]
+            stop_real_node(self, self.node, node_procs)
+            self.processes = [p for p in self.processes if p.name not in NODE_PROCESSES]
+            self.node = None
         for proc in reversed(self.processes):
             proc.stop()
         self.processes.clear()
@@ -243,6 +256,7 @@ class ControlPlane:
                 {"name": p.name, "pid": p.pid, "argv": p.argv, "log": str(p.log_path)} for p in self.processes
             ],
             "started_in": self.started_in,
+            "node": None if self.node is None else self.node.to_state(),
         }
 
     @classmethod
@@ -260,6 +274,7 @@ class ControlPlane:
                 for p in state["processes"]
             ],
             started_in=dict(state.get("started_in", {})),
+            node=None if not state.get("node") else RealNode.from_state(state["node"]),
         )
 
 
@@ -328,15 +343,30 @@ def build_etcd_args(etcd: Path, data_dir: Path, client_port: int, peer_port: int
     ]
 
 
-def build_apiserver_args(apiserver: Path, pki: Pki, etcd_url: str, port: int, cert_dir: Path) -> list[str]:
+def build_apiserver_args(
+    apiserver: Path, pki: Pki, etcd_url: str, port: int, cert_dir: Path, address: str = "127.0.0.1"
+) -> list[str]:
+    """``address``: where it listens and what it advertises; loopback unless a real node's pods must
+    reach it (then the ``kubernetes`` Service gets endpoints and the API server a kubelet client cert)."""
+    if address == "127.0.0.1":
+        # The endpoint reconciler refuses a loopback advertise address; nothing in the cluster needs the
+        # endpoints of the `kubernetes` Service (kwok's pods run no code).
+        reach = ["--endpoint-reconciler-type=none"]
+    else:
+        # Pods reach the API server through the `kubernetes` Service (endpoints: this address); the API
+        # server reaches the kubelet (logs, exec) with the admin client certificate.
+        reach = [
+            f"--kubelet-client-certificate={pki.admin_cert}",
+            f"--kubelet-client-key={pki.admin_key}",
+            # The node's name (kvfleet-node) resolves nowhere; its InternalIP does.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+        ]
     return [
         str(apiserver),
         f"--etcd-servers={etcd_url}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
-        # The endpoint reconciler refuses a loopback advertise address; nothing in the cluster needs the
-        # endpoints of the `kubernetes` Service (kwok's pods run no code).
-        "--endpoint-reconciler-type=none",
+        f"--bind-address={address}",
+        f"--advertise-address={address}",
+        *reach,
         f"--secure-port={port}",
         f"--cert-dir={cert_dir}",
         f"--tls-cert-file={pki.server_cert}",
@@ -436,16 +466,18 @@ def start_control_plane(
     paths = {name: binaries.require_binary(name) for name in names}
     root = workdir or Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
     started = time.monotonic()
-    pki = build_pki(root / "pki")
+    address = detect_node_ip() if tier == "node" else "127.0.0.1"
+    pki = build_pki(root / "pki", extra_ips=() if address == "127.0.0.1" else (address,))
     etcd_port, peer_port, api_port = find_free_port(), find_free_port(), find_free_port()
     plane = ControlPlane(
         workdir=root,
         tier="api",
         kubeconfig=root / "kubeconfig",
-        server=f"https://127.0.0.1:{api_port}",
+        server=f"https://{address}:{api_port}",
         etcd_url=f"http://127.0.0.1:{etcd_port}",
         pki=pki,
-        layout=layout,
+        # The node tier's pods must land on the real node: no fake nodes beside it by default.
+        layout=NodeLayout(shared_pool=()) if tier == "node" and layout is DEFAULT_LAYOUT else layout,
     )
     plane.kubeconfig.write_text(yaml.safe_dump(build_kubeconfig(plane.server, pki), sort_keys=False))
     plane.kubeconfig.chmod(0o600)
@@ -456,14 +488,20 @@ def start_control_plane(
         plane.processes.append(etcd)
         apiserver = start_process(
             "kube-apiserver",
-            build_apiserver_args(paths["kube-apiserver"], pki, plane.etcd_url, api_port, root / "apiserver"),
+            build_apiserver_args(
+                paths["kube-apiserver"], pki, plane.etcd_url, api_port, root / "apiserver", address
+            ),
             logs,
         )
         plane.processes.append(apiserver)
         wait_until(plane.is_ready, timeout=timeout, what="kube-apiserver /readyz", watch=plane.processes)
         plane.started_in["api"] = time.monotonic() - started
-        if tier == "full":
+        if tier in ("full", "node"):
             extend_to_full(plane, timeout=timeout)
+        if tier == "node":
+            plane.node = start_real_node(plane, node_ip=address, service_cidr=SERVICE_CIDR, timeout=timeout)
+            plane.tier = "node"
+            plane.started_in["node"] = plane.node.started_in["node"]
     except BaseException:
         plane.stop()
         raise
@@ -487,12 +525,15 @@ def extend_to_full(plane: ControlPlane, *, timeout: float = 120.0) -> None:
         "kube-scheduler", build_scheduler_args(paths["kube-scheduler"], plane.kubeconfig, sched_port), logs
     )
     plane.processes.append(scheduler)
-    stages = binaries.kwok_stage_files()
-    if not stages:
-        where = binaries.kwok_stage_dir()
-        raise FileNotFoundError(f"no kwok stage configs in {where}; run {binaries.BUILD_COMMAND}")
-    kwok = start_process("kwok", build_kwok_args(paths["kwok"], plane.kubeconfig, kwok_port, stages), logs)
-    plane.processes.append(kwok)
+    if plane.layout.nodes:
+        stages = binaries.kwok_stage_files()
+        if not stages:
+            where = binaries.kwok_stage_dir()
+            raise FileNotFoundError(f"no kwok stage configs in {where}; run {binaries.BUILD_COMMAND}")
+        kwok = start_process(
+            "kwok", build_kwok_args(paths["kwok"], plane.kubeconfig, kwok_port, stages), logs
+        )
+        plane.processes.append(kwok)
     for node in plane.layout.nodes:
         status, body = plane.request("POST", "/api/v1/nodes", build_node_manifest(node))
         if status not in (201, 409):

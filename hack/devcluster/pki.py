@@ -44,8 +44,28 @@ def _sign(
     )  # fmt: skip
 
 
-def build_pki(directory: Path, days: int = 7) -> Pki:
-    """Create a CA, a serving and an admin client certificate and a service-account key pair."""
+def sign_client_cert(pki: Pki, name: str, subject: str, days: int = 7) -> tuple[Path, Path]:
+    """A client certificate ``<name>.crt``/``.key`` signed by ``pki``'s CA, e.g. a kubelet's
+    (``/O=system:nodes/CN=system:node:<node>``) or kube-proxy's (``/CN=system:kube-proxy``)."""
+    directory = pki.ca_cert.parent
+    _sign(
+        name,
+        subject,
+        "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+        days,
+        directory,
+        pki.ca_cert,
+        pki.ca_key,
+    )
+    return directory / f"{name}.crt", directory / f"{name}.key"
+
+
+def build_pki(directory: Path, days: int = 7, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """Create a CA, a serving and an admin client certificate and a service-account key pair.
+
+    ``extra_ips`` join the serving certificate's SANs: the node address a real node's pods reach the API
+    server on.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     _openssl(
         "req", "-x509", *_EC, "-keyout", "ca.key", "-out", "ca.crt", "-days", str(days),
@@ -56,6 +76,7 @@ def build_pki(directory: Path, days: int = 7) -> Pki:
         [
             "IP:127.0.0.1",
             "IP:10.0.0.1",
+            *(f"IP:{ip}" for ip in extra_ips),
             "DNS:localhost",
             "DNS:kubernetes",
             "DNS:kubernetes.default",

@@ -1,0 +1,3 @@
+module kvfleet.dev/hack/cluster/pause
+
+go 1.26.0
