@@ -318,3 +318,18 @@ def test_another_vllm_version_fails_loudly_at_start_up(tmp_path: Path, tiny_mode
     )
     assert proc.returncode != 0
     assert "supports vLLM 0.32.x only, but vLLM 0.31.9 is installed" in proc.stderr
+
+
+def test_engine_log_says_the_tenant_aware_pool_is_installed(
+    plugin_engine: Engine, stock_engine: Engine
+) -> None:
+    """vLLM's own log names the pool and the tenant count when kvfleet's pool is installed, and a stock
+    engine's log never claims it (an operator reading `kubectl logs` can tell which one runs)."""
+    marker = "kvfleet: tenant-aware block pool installed"
+    plugin_log = plugin_engine.server.process.log_path.read_text(errors="replace")
+    lines = [line for line in plugin_log.splitlines() if marker in line]
+    assert len(lines) == 1, f"expected one install line in vLLM's log, got {lines!r}"
+    assert f"pool {POOL!r}" in lines[0]
+    assert f"{len(TENANTS)} tenants" in lines[0]
+    stock_log = stock_engine.server.process.log_path.read_text(errors="replace")
+    assert marker not in stock_log
