@@ -86,7 +86,7 @@ def test_crd_metadata() -> None:
         kind: [c["name"].upper() for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
         for kind, crd in crds.items()
     }
-    assert columns["Tenant"] == ["MODEL", "TIER", "ISOLATION", "HBM QUOTA", "READY", "AGE"]
+    assert columns["Tenant"] == ["MODEL", "TIER", "ISOLATION", "HBM QUOTA", "ADMITTED HBM", "READY", "AGE"]
     assert columns["ModelDeployment"] == ["MODEL", "REPLICAS", "READY", "KV DTYPE", "KV CAPACITY", "AGE"]
 
 

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvfleet_operator.api import ModelDeployment, Tenant, reasons
+from kvfleet_operator.api import ModelDeployment, ModelDeploymentStatus, Tenant, TenantStatus, reasons
+from kvfleet_operator.api.tenant import QuotaTerms
+from kvfleet_operator.build.keys import KeyResolution
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile import status as st
@@ -218,7 +220,7 @@ def test_transition_time_moves_only_when_a_status_flips() -> None:
         _md(conditions=first["conditions"]), CAPACITY, [], UP, UP, ENDPOINT, None, NOW
     )
     assert {c["lastTransitionTime"] for c in again["conditions"]} == {EARLIER}
-    assert not st.status_changed(first, again)  # a converged object is not written
+    assert not st.status_changed(first, again, ModelDeploymentStatus)  # a converged object is not written
     down = st.compute_model_deployment_status(
         _md(conditions=first["conditions"]), CAPACITY, [], DOWN, UP, ENDPOINT, None, NOW
     )
@@ -550,14 +552,150 @@ def test_ready_event(
     assert result["metadata"] == {"generateName": "t.", "namespace": "kvfleet-demo"}
 
 
+FINGERPRINTS = {"current": "sha256:aaaaaaaaaaaa", "previous": "sha256:bbbbbbbbbbbb"}
+
+
 @pytest.mark.parametrize(
     ("current", "desired", "changed"),
     [
         pytest.param(None, {"observedGeneration": 1}, True, id="no-status-yet"),
-        pytest.param({"observedGeneration": 1, "extra": "x"}, {"observedGeneration": 1}, False, id="same"),
+        pytest.param({"observedGeneration": 1}, {"observedGeneration": 1}, False, id="same"),
         pytest.param({"observedGeneration": 1}, {"observedGeneration": 2}, True, id="new-generation"),
-        pytest.param({}, {"endpoint": ""}, False, id="zero-value-the-server-omits"),
+        pytest.param({"endpoint": "", "apiKeySecretName": ""}, {}, False, id="defaults-the-server-fills-in"),
+        pytest.param(
+            {"apiKeyFingerprints": FINGERPRINTS},
+            {"apiKeyFingerprints": {"current": FINGERPRINTS["current"]}},
+            True,
+            id="a-field-that-goes-is-a-change",
+        ),
+        pytest.param(
+            {"admittedQuota": {"hbm": "10%", "cpu": "0", "nvme": "0", "burstLimit": "50%"}},
+            {},
+            True,
+            id="admitted-quota-removed",
+        ),
+        pytest.param({"bogus": 1}, {}, True, id="unreadable-status-is-rewritten"),
     ],
 )
 def test_status_changed(current: dict[str, Any] | None, desired: dict[str, Any], changed: bool) -> None:
-    assert st.status_changed(current, desired) is changed
+    assert st.status_changed(current, desired, TenantStatus) is changed
+
+
+ADMITTED_TERMS = {"hbm": "25%", "cpu": "100000", "nvme": "0", "burstLimit": "50%"}
+REFUSED_RAISE = TenantDecision(
+    "t",
+    True,
+    reasons.QUOTA_CHANGE_REFUSED,
+    "250 guaranteed HBM blocks.",
+    "shared",
+    QUOTA,
+    requested=QuotaTerms.model_validate({**ADMITTED_TERMS, "hbm": "90%", "burstLimit": "90%"}),
+    terms=QuotaTerms.model_validate(ADMITTED_TERMS),
+    refused="HBM guarantees would total 1150 of 1000 blocks",
+)
+
+
+@pytest.mark.parametrize(
+    ("pool_ready", "conditions"),
+    [
+        pytest.param(
+            True,
+            {
+                "Ready": ("True", "QuotaChangeRefused"),
+                "Progressing": ("False", "QuotaChangeRefused"),
+                "Degraded": ("True", "QuotaChangeRefused"),
+            },
+            id="serving",
+        ),
+        pytest.param(
+            False,
+            {
+                "Ready": ("False", "ModelDeploymentNotReady"),
+                "Progressing": ("True", "ModelDeploymentNotReady"),
+                "Degraded": ("True", "QuotaChangeRefused"),
+            },
+            id="pool-starting",
+        ),
+    ],
+)
+def test_a_refused_quota_change_degrades_a_serving_tenant(
+    pool_ready: bool, conditions: dict[str, tuple[str, str]]
+) -> None:
+    status = st.compute_tenant_status(
+        _tenant(), REFUSED_RAISE, CAPACITY, None, pool_ready, ENDPOINT, "s", NOW
+    )
+    assert _by_type(status) == conditions
+    assert status["admittedQuota"] == ADMITTED_TERMS
+    assert status["endpoint"] == ENDPOINT  # still serving
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert "1150 of 1000 blocks" in degraded["message"]
+    event = st.compute_ready_event(_raw_tenant(), _cond("True", "Ready"), status["conditions"])
+    if pool_ready:
+        assert event is not None and (event["type"], event["reason"]) == ("Warning", "QuotaChangeRefused")
+
+
+def test_admitted_quota_stays_while_the_model_deployment_cannot_be_served() -> None:
+    raw = _raw_tenant()
+    raw["status"] = {"admittedQuota": ADMITTED_TERMS}
+    cause = st.model_deployment_problem_for_tenant(st.problem(reasons.CAPACITY_UNKNOWN, "no gpuMemory"))
+    status = st.compute_tenant_status(
+        Tenant.model_validate(raw), None, None, cause, False, ENDPOINT, "s", NOW
+    )
+    assert status["admittedQuota"] == ADMITTED_TERMS
+
+
+@pytest.mark.parametrize(("keep", "kept"), [(True, True), (False, False)])
+def test_failure_status_keeps_the_admitted_quota_only_when_asked(keep: bool, kept: bool) -> None:
+    raw = _raw_tenant()
+    raw["status"] = {"admittedQuota": ADMITTED_TERMS, "endpoint": "x"}
+    cause = st.problem(reasons.API_KEY_SHARED, "m")
+    status = st.compute_failure_status(raw, cause, NOW, keep_admitted_quota=keep)
+    assert ("admittedQuota" in status) is kept
+    assert "endpoint" not in status
+
+
+def test_fingerprints_only_for_a_served_tenant() -> None:
+    keys = KeyResolution("s", hashes=("a" * 64, "b" * 64), fingerprints=("sha256:aaa", "sha256:bbb"))
+    served = st.compute_tenant_status(_tenant(), ADMITTED, CAPACITY, None, True, ENDPOINT, "s", NOW, keys)
+    assert served["apiKeyFingerprints"] == {"current": "sha256:aaa", "previous": "sha256:bbb"}
+    rejected = st.compute_tenant_status(_tenant(), REJECTED, CAPACITY, None, True, ENDPOINT, "s", NOW, keys)
+    assert "apiKeyFingerprints" not in rejected
+
+
+def _conds(*triples: tuple[str, str, str]) -> list[dict[str, Any]]:
+    return [
+        {"type": t, "status": s, "reason": r, "message": "m", "lastTransitionTime": NOW}
+        for t, s, r in triples
+    ]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "events"),
+    [
+        pytest.param(
+            _conds(
+                ("Ready", "False", "ModelDeploymentNotReady"),
+                ("Degraded", "False", "ModelDeploymentNotReady"),
+            ),
+            _conds(("Ready", "False", "ModelDeploymentNotReady"), ("Degraded", "True", "QuotaChangeRefused")),
+            [("Warning", "QuotaChangeRefused")],
+            id="degraded-while-ready-says-nothing-new",
+        ),
+        pytest.param(
+            _conds(("Ready", "True", "Ready"), ("Degraded", "False", "Ready")),
+            _conds(("Ready", "False", "QuotaExceedsCapacity"), ("Degraded", "True", "QuotaExceedsCapacity")),
+            [("Warning", "QuotaExceedsCapacity")],
+            id="one-event-per-reason",
+        ),
+        pytest.param(
+            _conds(("Ready", "True", "QuotaChangeRefused"), ("Degraded", "True", "QuotaChangeRefused")),
+            _conds(("Ready", "True", "QuotaChangeRefused"), ("Degraded", "True", "QuotaChangeRefused")),
+            [],
+            id="nothing-new",
+        ),
+    ],
+)
+def test_events(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], events: list[tuple[str, str]]
+) -> None:
+    assert [(e["type"], e["reason"]) for e in st.compute_events(_raw_tenant(), before, after)] == events

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,8 +68,18 @@ def _raw_tenant(name: str, i: int, **spec: Any) -> dict[str, Any]:
     return doc
 
 
-def _key_secret(name: str, key: str, data_key: str = "api-key") -> dict[str, Any]:
-    return {"metadata": {"name": name}, "data": {data_key: base64.b64encode(key.encode()).decode()}}
+def _strong(seed: str) -> str:
+    """A key that passes the strength rule, different for each ``seed``."""
+    return "kvf-" + hashlib.sha256(seed.encode()).hexdigest()
+
+
+def _key_secret(name: str, key: str, data_key: str = "api-key", tenant: str | None = None) -> dict[str, Any]:
+    """A Secret marked for ``tenant`` (by default the one ``<tenant>-api-key`` names)."""
+    owner = tenant or name.removesuffix("-api-key")
+    return {
+        "metadata": {"name": name, "labels": {"kvfleet.io/tenant": owner}},
+        "data": {data_key: base64.b64encode(key.encode()).decode()},
+    }
 
 
 def _unopened_client() -> KubeClient:
@@ -102,7 +113,7 @@ def _local_tenants() -> list[dict[str, Any]]:
 
 
 def _secrets() -> list[dict[str, Any]]:
-    return [_key_secret(f"{n}-api-key", f"kvf-{n}") for n in ("premium", "basic-a", "basic-b")]
+    return [_key_secret(f"{n}-api-key", _strong(n)) for n in ("premium", "basic-a", "basic-b")]
 
 
 def _ready_of(write: Any) -> tuple[str, str]:
@@ -180,7 +191,59 @@ async def test_only_admitted_tenants_get_a_generated_key_and_a_key_hash() -> Non
     keys_secret = next(ch for ch in c.desired or [] if ch["kind"] == "Secret")
     key_file = base64.b64decode(keys_secret["data"]["keys.json"]).decode()
     assert "greedy" not in key_file
-    assert hash_api_key("kvf-premium") in key_file
+    assert hash_api_key(_strong("premium")) in key_file
+
+
+def _with_status(raws: list[dict[str, Any]], statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**t, "status": statuses[t["metadata"]["name"]]} for t in raws]
+
+
+async def test_status_shows_requested_and_admitted_quota_and_key_fingerprints() -> None:
+    c = await _run_pure(_raw_md(), _local_tenants(), _secrets())
+    status = {w.raw["metadata"]["name"]: w.status for w in c.status_writes}["premium"]
+    quota = {"hbm": "40%", "cpu": "64Mi", "nvme": "0", "burstLimit": "60%"}
+    assert status["requestedQuota"] == status["admittedQuota"] == quota
+    assert status["apiKeyFingerprints"] == {"current": f"sha256:{hash_api_key(_strong('premium'))[:12]}"}
+
+
+async def test_a_refused_raise_keeps_serving_at_the_admitted_quota() -> None:
+    """Threat: an admitted tenant that asks for more loses what it had (or takes a neighbour's room)."""
+    first = await _run_pure(_raw_md(), _local_tenants(), _secrets())
+    children, statuses = _converge(first)
+    raised = _with_status(_local_tenants(), statuses)
+    raised[0]["spec"].update(kvQuota={"hbm": "90%", "cpu": "64Mi"}, burstLimit="90%")
+    c = await _run_pure(_raw_md(), raised, _secrets(), children, now=LATER)
+    premium = {w.raw["metadata"]["name"]: w.status for w in c.status_writes}["premium"]
+    conditions = {x["type"]: (x["status"], x["reason"]) for x in premium["conditions"]}
+    assert conditions == {
+        "Ready": ("True", "QuotaChangeRefused"),
+        "Progressing": ("False", "QuotaChangeRefused"),
+        "Degraded": ("True", "QuotaChangeRefused"),
+    }
+    assert premium["admittedQuota"]["hbm"] == "40%" and premium["requestedQuota"]["hbm"] == "90%"
+    assert "HBM guarantees would total" in next(x["message"] for x in premium["conditions"])
+    assert c.plan == []  # nothing of the refused raise reaches the data plane
+    assert [_ready_of(w) for w in c.status_writes[2:]] == [("True", "Ready")] * 2  # the neighbours
+
+
+async def test_tenants_sharing_a_key_are_refused_and_neither_hash_is_rendered() -> None:
+    """Threat: two tenants with one key; the gateway would route the key to one of them silently."""
+    first = await _run_pure(_raw_md(), _local_tenants(), _secrets())
+    children, statuses = _converge(first)
+    secrets = _secrets()
+    secrets[1] = _key_secret("basic-a-api-key", _strong("premium"))  # basic-a copies premium's key
+    c = await _run_pure(_raw_md(), _with_status(_local_tenants(), statuses), secrets, children, now=LATER)
+    by_name = {w.raw["metadata"]["name"]: w for w in c.status_writes}
+    for name, other in (("premium", "basic-a"), ("basic-a", "premium")):
+        assert _ready_of(by_name[name]) == ("False", "ApiKeyShared")
+        assert f"'{other}'" in by_name[name].status["conditions"][0]["message"]
+        # Each keeps the room it was admitted with, to come back at the same quota once its key is fixed.
+        assert by_name[name].status["admittedQuota"] == statuses[name]["admittedQuota"]
+    keys_secret = next(ch for ch in c.desired or [] if ch["kind"] == "Secret")
+    key_file = base64.b64decode(keys_secret["data"]["keys.json"]).decode()
+    assert hash_api_key(_strong("premium")) not in key_file
+    assert hash_api_key(_strong("basic-b")) in key_file
+    assert {d.name for d in c.decisions} == {"basic-b"}
 
 
 @pytest.mark.parametrize(
@@ -277,19 +340,39 @@ def test_parse_tenants_names_the_field_of_each_bad_one() -> None:
         pytest.param({}, {}, True, KeyResolution("premium-api-key", generate=True), None, id="to-generate"),
         pytest.param(
             {},
-            {"premium-api-key": _key_secret("premium-api-key", "k")},
+            {"premium-api-key": _key_secret("premium-api-key", _strong("k"))},
             True,
-            KeyResolution("premium-api-key", hashes=(hash_api_key("k"),)),
+            KeyResolution(
+                "premium-api-key",
+                hashes=(hash_api_key(_strong("k")),),
+                fingerprints=(f"sha256:{hash_api_key(_strong('k'))[:12]}",),
+            ),
             None,
             id="resolved",
         ),
         pytest.param(
             {"apiKeySecretRef": {"name": "own"}},
-            {"premium-api-key": _key_secret("premium-api-key", "k")},
+            {"premium-api-key": _key_secret("premium-api-key", _strong("k"))},
             False,
             None,
             reasons.API_KEY_SECRET_NOT_FOUND,
             id="referenced-secret-missing",
+        ),
+        pytest.param(
+            {"apiKeySecretRef": {"name": "basic-a-api-key"}},
+            {"basic-a-api-key": _key_secret("basic-a-api-key", _strong("k"))},
+            False,
+            None,
+            reasons.API_KEY_SECRET_NOT_LABELLED,
+            id="another-tenants-secret",
+        ),
+        pytest.param(
+            {},
+            {"premium-api-key": _key_secret("premium-api-key", "kvf-premium")},
+            False,
+            None,
+            reasons.API_KEY_TOO_WEAK,
+            id="weak",
         ),
     ],
 )
@@ -301,11 +384,35 @@ def test_resolve_keys(
     problem: str | None,
 ) -> None:
     (tenant,), _ = steps.parse_tenants({"premium": _raw_tenant("premium", 0, **spec)})
-    ok, resolutions, problems = steps.resolve_keys([tenant], secrets)
-    assert (ok == [tenant]) is usable
+    resolved = steps.resolve_keys([tenant], secrets, "tiny")
+    assert (resolved.usable == [tenant]) is usable
+    assert (resolved.refused == [tenant]) is not usable
     if resolution is not None:
-        assert resolutions["premium"] == resolution
-    assert (problems["premium"].reason if problems else None) == problem
+        assert resolved.resolutions["premium"] == resolution
+    assert (resolved.problems["premium"].reason if resolved.problems else None) == problem
+
+
+def test_a_shared_key_is_refused_for_every_tenant_holding_it_naming_the_others() -> None:
+    tenants, _ = steps.parse_tenants(
+        {n: _raw_tenant(n, i) for i, n in enumerate(("premium", "basic-a", "basic-b"))}
+    )
+    shared = _strong("shared")
+    secrets = {
+        "premium-api-key": _key_secret("premium-api-key", shared),
+        "basic-a-api-key": _key_secret("basic-a-api-key", _strong("a"), tenant="basic-a"),
+        "basic-b-api-key": _key_secret("basic-b-api-key", _strong("b")),
+    }
+    # basic-a's previous key is premium's current one: a shared key all the same.
+    secrets["basic-a-api-key"]["data"]["api-key-previous"] = base64.b64encode(shared.encode()).decode()
+    resolved = steps.resolve_keys(tenants, secrets, "tiny")
+    assert [t.metadata["name"] for t in resolved.usable] == ["basic-b"]
+    assert [t.metadata["name"] for t in resolved.refused] == ["premium", "basic-a"]
+    for name, other in (("premium", "basic-a"), ("basic-a", "premium")):
+        problem = resolved.problems[name]
+        assert problem.reason == reasons.API_KEY_SHARED
+        assert f"'{other}'" in problem.message and "ModelDeployment 'tiny'" in problem.message
+        assert f"sha256:{hash_api_key(shared)[:12]}" in problem.message
+        assert shared not in problem.message
 
 
 def test_size_pool() -> None:
@@ -353,7 +460,7 @@ def test_key_hashes_only_for_resolved_keys() -> None:
     resolutions = {
         "a": KeyResolution("a", hashes=("h1", "h0")),
         "b": KeyResolution("b", generate=True),
-        "c": KeyResolution("c", missing="no"),
+        "c": KeyResolution("c", reason=reasons.API_KEY_SECRET_NOT_FOUND, message="no"),
     }
     assert steps.key_hashes(resolutions) == {"a": ("h1", "h0")}
 

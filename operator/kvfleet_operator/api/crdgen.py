@@ -145,6 +145,12 @@ CRDS: tuple[CrdDefinition, ...] = (
                 "jsonPath": ".spec.kvQuota.hbm",
                 "description": "Guaranteed GPU-memory KV (share or tokens).",
             },
+            {
+                "name": "Admitted HBM",
+                "type": "string",
+                "jsonPath": ".status.admittedQuota.hbm",
+                "description": "The HBM guarantee the tenant is admitted at and served with.",
+            },
             {"name": "Ready", "type": "string", "jsonPath": _READY, "description": "Ready condition."},
             _AGE,
         ),

@@ -27,13 +27,35 @@ MODEL_DEPLOYMENT_NOT_READY: Final = "ModelDeploymentNotReady"
 served yet, and the message is the ModelDeployment's. Wait, or fix the ModelDeployment's problem."""
 
 QUOTA_EXCEEDS_CAPACITY: Final = "QuotaExceedsCapacity"
-"""Tenant: its guarantee does not fit the pool next to the tenants admitted before it, or exceeds its own
+"""Tenant: its guarantee does not fit the pool next to the guarantees already admitted, or exceeds its own
 burst limit; the message has the numbers and nothing of the tenant is applied. Lower ``spec.kvQuota``,
 raise ``spec.burstLimit``, or add capacity."""
 
+QUOTA_CHANGE_REFUSED: Final = "QuotaChangeRefused"
+"""Tenant (``Degraded``; still serving): an edit of ``spec.kvQuota`` or ``spec.burstLimit`` could not be
+admitted (the increase does not fit next to the other tenants' guarantees, or exceeds the burst limit), so
+the tenant keeps serving at its previously admitted quota (``status.admittedQuota``; the message has the
+numbers). Lower the request back, free capacity, or add capacity."""
+
 API_KEY_SECRET_NOT_FOUND: Final = "ApiKeySecretNotFound"  # noqa: S105 - a condition reason, not a secret
-"""Tenant: ``spec.apiKeySecretRef`` names a Secret that does not exist, or a data key it lacks. Create the
-Secret (or the key), or remove ``spec.apiKeySecretRef`` to have one generated."""
+"""Tenant: ``spec.apiKeySecretRef`` names a Secret that does not exist (or does not carry the tenant's
+label, which hides it from the operator), or a data key it lacks. Create the Secret (or the key) and label
+it ``kvfleet.io/tenant=<tenant>``, or remove ``spec.apiKeySecretRef`` to have one generated."""
+
+API_KEY_SECRET_NOT_LABELLED: Final = "ApiKeySecretNotLabelled"  # noqa: S105 - a condition reason
+"""Tenant: the Secret holding its API key is not marked for this tenant (label ``kvfleet.io/tenant`` is
+missing or names another tenant), so its value does not become a key: a tenant cannot turn another
+tenant's or any other Secret of the namespace into its key. Label it with the command in the message."""
+
+API_KEY_TOO_WEAK: Final = "ApiKeyTooWeak"
+"""Tenant: a key in its Secret (current or previous) is shorter than 32 characters, has fewer than 128 bits
+by the entropy estimate, or is not a bearer token (letters, digits, ``-._~+/``, ``=`` padding); it is not
+accepted. Put a random key there, e.g. ``openssl rand -hex 32``."""
+
+API_KEY_SHARED: Final = "ApiKeyShared"
+"""Tenant: another tenant of the same ModelDeployment has the same API key (the message names it); the
+gateway could not tell them apart, so the key is refused for both and neither is served with it. Give one
+of them a new key (rotation recipe in docs/operations.md)."""
 
 MODEL_DEPLOYMENT_NOT_FOUND: Final = "ModelDeploymentNotFound"
 """Tenant: ``spec.modelDeploymentRef`` names no ModelDeployment in the tenant's namespace. Fix the name
@@ -58,7 +80,11 @@ CONDITION_REASONS: Final = (
     WAITING_FOR_REPLICAS,
     MODEL_DEPLOYMENT_NOT_READY,
     QUOTA_EXCEEDS_CAPACITY,
+    QUOTA_CHANGE_REFUSED,
     API_KEY_SECRET_NOT_FOUND,
+    API_KEY_SECRET_NOT_LABELLED,
+    API_KEY_TOO_WEAK,
+    API_KEY_SHARED,
     MODEL_DEPLOYMENT_NOT_FOUND,
     MODEL_DEPLOYMENT_DELETING,
     CAPACITY_UNKNOWN,

@@ -186,6 +186,33 @@ class ResolvedQuota(CrdModel):
     nvme_bytes: Annotated[int, Field(ge=0, description="NVMe-tier bytes.")] = 0
 
 
+class QuotaTerms(CrdModel):
+    """A quota in the units of ``spec`` (``spec.kvQuota`` and ``spec.burstLimit``): what a tenant asked for,
+    or what it was admitted at."""
+
+    hbm: HbmAmount = Field(description="Guaranteed GPU-memory KV: a share of the pool or a number of tokens.")
+    cpu: Quantity = Field(description="LMCache CPU-tier bytes.")
+    nvme: Quantity = Field(description="LMCache NVMe-tier bytes.")
+    burst_limit: Share = Field(
+        description="Most of the pool's GPU-memory KV the tenant may hold under burst."
+    )
+
+
+class ApiKeyFingerprints(CrdModel):
+    """Fingerprints of the tenant's valid API keys: ``sha256:`` and the first 12 hex digits of the key's
+    SHA-256, enough to tell keys apart during a rotation, never enough to recover or test a key."""
+
+    current: Annotated[
+        str, Field(max_length=64, description="Fingerprint of the key under the Secret's data key.")
+    ] = ""
+    previous: Annotated[
+        str | None,
+        Field(
+            max_length=64, description="Fingerprint of the key under <data key>-previous, during a rotation."
+        ),
+    ] = None
+
+
 class TenantStatus(CrdModel):
     """Observed state of a Tenant, written by the operator."""
 
@@ -202,6 +229,20 @@ class TenantStatus(CrdModel):
     api_key_secret_name: Annotated[
         str, Field(max_length=253, description="Secret that holds this tenant's API key.")
     ] = ""
+    api_key_fingerprints: ApiKeyFingerprints | None = Field(
+        default=None,
+        description="Fingerprints of the API keys the gateway accepts for this tenant (current and, during a "
+        "rotation, previous).",
+    )
+    requested_quota: QuotaTerms | None = Field(
+        default=None, description="The quota spec asks for (spec.kvQuota, spec.burstLimit)."
+    )
+    admitted_quota: QuotaTerms | None = Field(
+        default=None,
+        description="The quota the tenant was admitted at and is served with. It stays until the tenant's "
+        "own edit is admitted or the tenant is deleted: an increase that does not fit leaves it unchanged "
+        "(QuotaChangeRefused).",
+    )
 
 
 class Tenant(CrdModel):

@@ -4,17 +4,25 @@ The pool's KV capacity comes from the planner's math (``kvfleet_runtime.kv.sizin
 ``kvfleet plan`` prints. Quotas are admitted per replica, because every engine replica governs its own
 block pool: a tenant's ``20%`` is 20% of each replica's blocks.
 
-Admission is first come, first served (creation time, then name): a tenant whose guarantee would push
-the sum of guarantees past the capacity of its pool, or whose guarantee exceeds its burst limit, is
-rejected with ``QuotaExceedsCapacity`` and the numbers; tenants admitted earlier keep their place.
+Admission is sticky (:func:`admit_tenants`): a tenant that was admitted stays admitted, at the quota it
+was admitted at, until its own edit is admitted or it is deleted. The durable memory of what was admitted
+is the tenant's ``status.admittedQuota`` (the reconcile is level-triggered and keeps nothing between runs).
+Each reconcile first re-admits the tenants admitted before at their admitted quota, then considers new
+tenants and raised quotas, first come, first served (creation time, then name): a new tenant whose
+guarantee would push the sum of guarantees past the capacity of its pool, or whose guarantee exceeds its
+burst limit, is rejected with ``QuotaExceedsCapacity`` and the numbers; an admitted tenant whose raised
+quota does not fit keeps serving at its admitted quota with ``QuotaChangeRefused``. A younger tenant that
+is serving never loses its admission because an older one asks for more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
+from kvfleet_operator.api.tenant import QuotaTerms
 from kvfleet_operator.api.units import parse_duration, parse_quantity
 from kvfleet_operator.build.common import MODEL_MOUNT, NVME_MOUNT, SHARED_POOL
 from kvfleet_operator.build.keys import pool_salt_id, tenant_salt_id
@@ -125,7 +133,13 @@ def compute_pool_capacity(md: ModelDeployment) -> PoolCapacity:
 
 @dataclass(frozen=True)
 class TenantDecision:
-    """What admission decided for one tenant."""
+    """What admission decided for one tenant.
+
+    ``admitted`` tenants are served with ``quota`` (resolved) and ``terms`` (the same quota in spec units,
+    recorded as ``status.admittedQuota``); ``requested`` is what the spec asks for. When the two differ,
+    the tenant's change was refused (``reason`` is ``QuotaChangeRefused``, ``refused`` says why) and it keeps
+    serving at its admitted quota.
+    """
 
     name: str
     admitted: bool
@@ -133,6 +147,10 @@ class TenantDecision:
     message: str
     pool: str
     quota: KVQuota | None = None
+    requested: QuotaTerms | None = None
+    terms: QuotaTerms | None = None
+    #: Why the requested change was not admitted, while the tenant keeps its admitted quota.
+    refused: str | None = None
 
 
 def dedicated_pool_name(tenant: str) -> str:
@@ -150,69 +168,196 @@ def _creation_order(tenant: Tenant) -> tuple[str, str]:
     return (str(meta.get("creationTimestamp", "")), str(meta.get("name", "")))
 
 
-def admit_tenants(capacity: PoolCapacity, tenants: Sequence[Tenant]) -> list[TenantDecision]:
-    """Admission in creation order; see the module docstring."""
-    used_hbm = used_cpu = used_nvme = 0
-    decisions: list[TenantDecision] = []
-    for tenant in sorted(tenants, key=_creation_order):
-        name = str(tenant.metadata["name"])
-        spec = tenant.spec
-        dedicated = spec.isolation.value == Isolation.DEDICATED.value
-        pool = dedicated_pool_name(name) if dedicated else SHARED_POOL
-        hbm = _hbm_blocks(spec.kv_quota.hbm, capacity)
-        burst = compute_blocks_for_share(spec.burst_limit or DEFAULT_BURST, capacity.hbm_blocks)
-        cpu = parse_quantity(spec.kv_quota.cpu)
-        nvme = parse_quantity(spec.kv_quota.nvme)
-        problems: list[str] = []
-        if hbm > capacity.hbm_blocks:
-            problems.append(
-                f"HBM quota {spec.kv_quota.hbm} is {hbm} blocks but a replica holds {capacity.hbm_blocks}"
-            )
-        if hbm > burst:
-            problems.append(
-                f"HBM quota is {hbm} blocks, above the burst limit {spec.burst_limit} ({burst} blocks); "
-                "raise spec.burstLimit or lower spec.kvQuota.hbm"
-            )
-        # A dedicated pool serves one tenant: only the shared pool's guarantees add up.
-        base_hbm, base_cpu, base_nvme = (0, 0, 0) if dedicated else (used_hbm, used_cpu, used_nvme)
-        if base_hbm + hbm > capacity.hbm_blocks:
-            problems.append(
-                f"HBM guarantees would total {base_hbm + hbm} of {capacity.hbm_blocks} blocks per replica "
-                f"({base_hbm} already guaranteed to other tenants)"
-            )
-        if base_cpu + cpu > capacity.cpu_bytes:
-            problems.append(
-                f"CPU-tier guarantees would total {base_cpu + cpu} of {capacity.cpu_bytes} bytes per replica"
-            )
-        if base_nvme + nvme > capacity.nvme_bytes:
-            problems.append(
-                f"NVMe-tier guarantees would total {base_nvme + nvme} of {capacity.nvme_bytes} bytes per "
-                "replica"
-            )
-        if problems:
-            decisions.append(
-                TenantDecision(
-                    name=name,
-                    admitted=False,
-                    reason=reasons.QUOTA_EXCEEDS_CAPACITY,
-                    message="; ".join(problems) + ". Nothing was applied for this tenant.",
-                    pool=pool,
-                )
-            )
-            continue
-        if not dedicated:
-            used_hbm, used_cpu, used_nvme = used_hbm + hbm, used_cpu + cpu, used_nvme + nvme
-        decisions.append(
-            TenantDecision(
-                name=name,
-                admitted=True,
-                reason=reasons.ADMITTED,
-                message=f"{hbm} guaranteed HBM blocks per replica, burst up to {burst}.",
-                pool=pool,
-                quota=KVQuota(hbm_blocks=hbm, hbm_burst_blocks=burst, cpu_bytes=cpu, nvme_bytes=nvme),
-            )
+def requested_terms(tenant: Tenant) -> QuotaTerms:
+    """The quota the tenant's spec asks for, in spec units."""
+    spec = tenant.spec
+    return QuotaTerms(
+        hbm=spec.kv_quota.hbm,
+        cpu=spec.kv_quota.cpu,
+        nvme=spec.kv_quota.nvme,
+        burst_limit=spec.burst_limit or DEFAULT_BURST,
+    )
+
+
+def admitted_terms(tenant: Tenant) -> QuotaTerms | None:
+    """The quota the tenant was admitted at by an earlier reconcile (its status), ``None`` if it was not."""
+    return tenant.status.admitted_quota if tenant.status is not None else None
+
+
+def _describe(terms: QuotaTerms) -> str:
+    return f"hbm {terms.hbm}, cpu {terms.cpu}, nvme {terms.nvme}, burstLimit {terms.burst_limit}"
+
+
+@dataclass(frozen=True)
+class _Amounts:
+    """A quota resolved against the pool: HBM blocks (guarantee and burst), CPU and NVMe bytes."""
+
+    hbm: int
+    burst: int
+    cpu: int
+    nvme: int
+
+    def within(self, other: _Amounts) -> bool:
+        """Whether every guarantee is at most ``other``'s (a decrease or no change)."""
+        return self.hbm <= other.hbm and self.cpu <= other.cpu and self.nvme <= other.nvme
+
+    def quota(self) -> KVQuota:
+        return KVQuota(
+            hbm_blocks=self.hbm, hbm_burst_blocks=self.burst, cpu_bytes=self.cpu, nvme_bytes=self.nvme
         )
-    return decisions
+
+
+_NOTHING = _Amounts(0, 0, 0, 0)
+
+
+def _resolve(terms: QuotaTerms, capacity: PoolCapacity) -> _Amounts:
+    return _Amounts(
+        hbm=_hbm_blocks(terms.hbm, capacity),
+        burst=compute_blocks_for_share(terms.burst_limit, capacity.hbm_blocks),
+        cpu=parse_quantity(terms.cpu),
+        nvme=parse_quantity(terms.nvme),
+    )
+
+
+def _problems(amounts: _Amounts, terms: QuotaTerms, capacity: PoolCapacity, base: _Amounts) -> list[str]:
+    """Why ``amounts`` cannot be guaranteed on top of ``base`` (what the pool already guarantees)."""
+    problems: list[str] = []
+    if amounts.hbm > capacity.hbm_blocks:
+        problems.append(
+            f"HBM quota {terms.hbm} is {amounts.hbm} blocks but a replica holds {capacity.hbm_blocks}"
+        )
+    if amounts.hbm > amounts.burst:
+        problems.append(
+            f"HBM quota is {amounts.hbm} blocks, above the burst limit {terms.burst_limit} ({amounts.burst} "
+            "blocks); raise spec.burstLimit or lower spec.kvQuota.hbm"
+        )
+    if base.hbm + amounts.hbm > capacity.hbm_blocks:
+        problems.append(
+            f"HBM guarantees would total {base.hbm + amounts.hbm} of {capacity.hbm_blocks} blocks per "
+            f"replica ({base.hbm} already guaranteed to other tenants)"
+        )
+    if base.cpu + amounts.cpu > capacity.cpu_bytes:
+        problems.append(
+            f"CPU-tier guarantees would total {base.cpu + amounts.cpu} of {capacity.cpu_bytes} bytes per "
+            "replica"
+        )
+    if base.nvme + amounts.nvme > capacity.nvme_bytes:
+        problems.append(
+            f"NVMe-tier guarantees would total {base.nvme + amounts.nvme} of {capacity.nvme_bytes} bytes per "
+            "replica"
+        )
+    return problems
+
+
+class _SharedPool:
+    """The guarantees of the shared pool admitted so far. A dedicated pool serves one tenant, so only the
+    shared pool's guarantees add up; a dedicated tenant is checked against an empty pool."""
+
+    def __init__(self) -> None:
+        self.used = _NOTHING
+
+    def base(self, dedicated: bool, without: _Amounts = _NOTHING) -> _Amounts:
+        if dedicated:
+            return _NOTHING
+        u = self.used
+        return _Amounts(u.hbm - without.hbm, 0, u.cpu - without.cpu, u.nvme - without.nvme)
+
+    def take(self, dedicated: bool, amounts: _Amounts, instead_of: _Amounts = _NOTHING) -> None:
+        if not dedicated:
+            base = self.base(False, instead_of)
+            self.used = _Amounts(base.hbm + amounts.hbm, 0, base.cpu + amounts.cpu, base.nvme + amounts.nvme)
+
+
+def admit_tenants(
+    capacity: PoolCapacity, tenants: Sequence[Tenant], held: Sequence[Tenant] = ()
+) -> list[TenantDecision]:
+    """Sticky admission of ``tenants`` (see the module docstring); one decision per tenant, in creation
+    order.
+
+    ``held`` are tenants that cannot be served this time (their API key is refused) but keep the room of
+    their admitted quota, so that fixing the key brings them back at the quota they had.
+
+    1. Tenants admitted before (``status.admittedQuota``), in creation order: a tenant whose request is
+       its admitted quota or less is admitted at the request; one that asks for more (or for something
+       invalid) keeps the room of its admitted quota and waits for step 2. Only a pool that shrank can make
+       an admitted quota not fit; then the youngest such tenants lose their admission.
+    2. New tenants and raised quotas, in creation order: a raise that fits replaces the admitted quota;
+       one that does not is refused (``QuotaChangeRefused``) and the tenant keeps its admitted quota; a new
+       tenant that does not fit is rejected (``QuotaExceedsCapacity``).
+    """
+    pool = _SharedPool()
+    eligible = {str(t.metadata["name"]) for t in tenants}
+    decisions: dict[str, TenantDecision] = {}
+    #: Step 2's claims: the tenant, its pool, what it asks for and what it keeps if that is refused.
+    claims: list[tuple[Tenant, str, QuotaTerms, QuotaTerms | None]] = []
+
+    def admit(name: str, pool_name: str, amounts: _Amounts, requested: QuotaTerms, terms: QuotaTerms) -> None:
+        decisions[name] = TenantDecision(
+            name=name,
+            admitted=True,
+            reason=reasons.ADMITTED,
+            message=f"{amounts.hbm} guaranteed HBM blocks per replica, burst up to {amounts.burst}.",
+            pool=pool_name,
+            quota=amounts.quota(),
+            requested=requested,
+            terms=terms,
+        )
+
+    def reject(name: str, pool_name: str, requested: QuotaTerms, problems: list[str]) -> None:
+        decisions[name] = TenantDecision(
+            name=name,
+            admitted=False,
+            reason=reasons.QUOTA_EXCEEDS_CAPACITY,
+            message="; ".join(problems) + ". Nothing was applied for this tenant.",
+            pool=pool_name,
+            requested=requested,
+        )
+
+    for tenant in sorted([*tenants, *held], key=_creation_order):
+        name = str(tenant.metadata["name"])
+        dedicated = tenant.spec.isolation.value == Isolation.DEDICATED.value
+        pool_name = dedicated_pool_name(name) if dedicated else SHARED_POOL
+        requested, previous = requested_terms(tenant), admitted_terms(tenant)
+        if previous is None:
+            if name in eligible:
+                claims.append((tenant, pool_name, requested, None))
+            continue
+        kept = _resolve(previous, capacity)
+        if name in eligible:
+            asked = _resolve(requested, capacity)
+            if asked.within(kept) and not _problems(asked, requested, capacity, pool.base(dedicated)):
+                pool.take(dedicated, asked)
+                admit(name, pool_name, asked, requested, requested)
+                continue
+        if _problems(kept, previous, capacity, pool.base(dedicated)):
+            if name in eligible:  # the pool shrank under it
+                reject(name, pool_name, requested, _problems(kept, previous, capacity, pool.base(dedicated)))
+            continue
+        pool.take(dedicated, kept)
+        if name in eligible:
+            claims.append((tenant, pool_name, requested, previous))
+
+    for tenant, pool_name, requested, previous in claims:
+        name = str(tenant.metadata["name"])
+        dedicated = pool_name != SHARED_POOL
+        asked = _resolve(requested, capacity)
+        kept = _resolve(previous, capacity) if previous is not None else _NOTHING
+        problems = _problems(asked, requested, capacity, pool.base(dedicated, without=kept))
+        if not problems:
+            pool.take(dedicated, asked, instead_of=kept)
+            admit(name, pool_name, asked, requested, requested)
+        elif previous is None:
+            reject(name, pool_name, requested, problems)
+        else:
+            admit(name, pool_name, kept, requested, previous)
+            decisions[name] = dataclasses.replace(
+                decisions[name],
+                reason=reasons.QUOTA_CHANGE_REFUSED,
+                refused=f"the requested quota ({_describe(requested)}) was not admitted: "
+                + "; ".join(problems)
+                + f". It keeps serving at its admitted quota ({_describe(previous)}).",
+            )
+    return [decisions[str(t.metadata["name"])] for t in sorted(tenants, key=_creation_order)]
 
 
 def model_path(md: ModelDeployment) -> str:

@@ -92,6 +92,8 @@ class Cycle:
     md: ModelDeployment | None = None
     #: Tenants that parse and whose API key resolves (or will be generated once admitted).
     tenants: list[Tenant] = field(default_factory=list)
+    #: Tenants that parse but whose API key is refused: not served, but an admitted one keeps its room.
+    key_refused: list[Tenant] = field(default_factory=list)
     #: Why a tenant is left out before admission (invalid spec, missing API key Secret).
     tenant_problems: dict[str, ConditionUpdate] = field(default_factory=dict)
     keys: dict[str, KeyResolution] = field(default_factory=dict)
@@ -143,8 +145,10 @@ async def parse_tenants(client: KubeClient, c: Cycle) -> None:
 
 
 async def resolve_keys(client: KubeClient, c: Cycle) -> None:
-    c.tenants, c.keys, problems = steps.resolve_keys(c.tenants, c.secrets)
-    c.tenant_problems |= problems
+    """Missing, unmarked, weak or shared keys leave their tenants out (``build/keys.py``)."""
+    resolved = steps.resolve_keys(c.tenants, c.secrets, c.name)
+    c.tenants, c.key_refused, c.keys = resolved.usable, resolved.refused, resolved.resolutions
+    c.tenant_problems |= resolved.problems
 
 
 async def size_pool(client: KubeClient, c: Cycle) -> None:
@@ -158,8 +162,9 @@ async def size_pool(client: KubeClient, c: Cycle) -> None:
 
 
 async def admit(client: KubeClient, c: Cycle) -> None:
-    """First come, first served (``build/tenant_table.py``); no capacity, no admission."""
-    c.decisions = admit_tenants(c.capacity, c.tenants) if c.capacity is not None else []
+    """Sticky, then first come, first served (``build/tenant_table.py``); no capacity, no admission."""
+    if c.capacity is not None:
+        c.decisions = admit_tenants(c.capacity, c.tenants, held=c.key_refused)
 
 
 async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
@@ -174,7 +179,12 @@ async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
             if not exc.conflict:
                 raise
             secret = await client.get(kinds.SECRET, c.keys[name].secret_name, c.namespace)
-        c.keys[name] = resolve_api_key_hashes(tenant, secret or {})
+        resolution = c.keys[name] = resolve_api_key_hashes(tenant, secret or {})
+        if resolution.reason is not None:  # a Secret of that name existed, and may not be its key
+            c.tenant_problems[name] = st.problem(resolution.reason, resolution.message or "")
+            c.tenants.remove(tenant)
+            c.key_refused.append(tenant)
+            c.decisions = [d for d in c.decisions if d.name != name]
 
 
 async def read_children(client: KubeClient, c: Cycle) -> None:
@@ -239,11 +249,13 @@ async def compute_status(client: KubeClient, c: Cycle) -> None:
         c.tenants,
         c.tenant_problems,
         c.now,
+        c.keys,
     )
 
 
 async def write_status(client: KubeClient, c: Cycle) -> None:
-    """Only statuses that change something; an Event when Ready flips or changes reason."""
+    """Only statuses that change something; an Event when Ready flips or changes reason, or when the
+    object becomes degraded for another reason (``status.compute_events``)."""
     for write in c.status_writes:
         if write.changed:
             await _write_status(client, write)
@@ -309,10 +321,9 @@ async def _write_status(client: KubeClient, write: st.StatusWrite) -> None:
         if exc.not_found:  # deleted meanwhile: nothing to report on
             return
         raise
-    event = st.compute_ready_event(
+    for event in st.compute_events(
         write.raw, (write.raw.get("status") or {}).get("conditions"), write.status.get("conditions")
-    )
-    if event is not None:
+    ):
         await client.create_event(str(meta.get("namespace")), event)
 
 

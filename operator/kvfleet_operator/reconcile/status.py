@@ -2,7 +2,11 @@
 
 Every status here is a new object built from the parsed models and the reconcile's decisions, never an
 edit of an object as read: the shell compares it with the status it read (:func:`status_changed`) and
-writes only what changed, so a converged object costs no write.
+writes only what changed, so a converged object costs no write. The write is a server-side apply of the
+whole status: a field left out of a new status is removed from the object.
+
+A Tenant's ``status.admittedQuota`` is the memory of sticky admission (``build/tenant_table.py``): every
+status computed here carries it forward unless admission itself decided otherwise.
 """
 
 from __future__ import annotations
@@ -12,26 +16,29 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvfleet_operator.api import ModelDeployment, ModelDeploymentStatus, Tenant, TenantStatus, reasons
+from kvfleet_operator.api.common import CrdModel
 from kvfleet_operator.api.modeldeployment import (
     GuaranteeStatus,
     KvCapacityStatus,
     TierCapacity,
     TieredCapacity,
 )
-from kvfleet_operator.api.tenant import ResolvedQuota
+from kvfleet_operator.api.tenant import ApiKeyFingerprints, ResolvedQuota
 from kvfleet_operator.build.common import SHARED_POOL, engine_name, gateway_name, selector_labels
-from kvfleet_operator.build.keys import api_key_secret_ref
-from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision
+from kvfleet_operator.build.keys import KeyResolution, api_key_secret_ref
+from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admitted_terms, requested_terms
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile.conditions import (
+    DEGRADED,
     ConditionUpdate,
     failed,
     merge_conditions,
     progressing,
     ready,
 )
-from kvfleet_operator.reconcile.plan import is_subset
 
 Obj = dict[str, Any]
 
@@ -81,16 +88,24 @@ def orphan_problem(model_deployment: str, *, deleting: bool) -> ConditionUpdate:
     )
 
 
-def compute_failure_status(raw: Obj, cause: ConditionUpdate | None, now: str) -> Obj:
+def compute_failure_status(
+    raw: Obj, cause: ConditionUpdate | None, now: str, *, keep_admitted_quota: bool = False
+) -> Obj:
     """Conditions and ``observedGeneration`` only, from the object as read (its spec may not even parse):
-    the status of an object the operator cannot serve. Other status fields are left as they are."""
-    current = (raw.get("status") or {}).get("conditions") or []
+    the status of an object the operator cannot serve; the other fields go. With ``keep_admitted_quota``
+    (a tenant whose key is refused keeps the room it was admitted with) ``admittedQuota`` stays."""
+    status = raw.get("status") or {}
     generation = int(raw["metadata"].get("generation", 0))
     reason, message = (cause.reason, cause.message) if cause else (reasons.INVALID_SPEC, "Invalid spec.")
-    return {
-        "conditions": merge_conditions(current, failed(reason, message), generation, now),
+    out: Obj = {
+        "conditions": merge_conditions(
+            status.get("conditions") or [], failed(reason, message), generation, now
+        ),
         "observedGeneration": generation,
     }
+    if keep_admitted_quota and status.get("admittedQuota"):
+        out["admittedQuota"] = status["admittedQuota"]
+    return out
 
 
 def _tier(tokens: int, nbytes: int, blocks: int = 0) -> TierCapacity:
@@ -171,6 +186,32 @@ def compute_model_deployment_status(
     return status.model_dump(by_alias=True, mode="json", exclude_none=True)
 
 
+def _admitted_conditions(
+    decision: TenantDecision, pool_ready: bool, endpoint: str, api_key_secret: str
+) -> list[ConditionUpdate]:
+    """An admitted tenant: ``Ready`` when its pool is; a refused quota change degrades it while it keeps
+    serving at its admitted quota (``Ready`` stays ``True``, with the refusal as its reason)."""
+    if decision.refused is None:
+        if pool_ready:
+            return ready(
+                reasons.READY,
+                f"Admitted: {decision.message} Call {endpoint} with the key in {api_key_secret}.",
+            )
+        return progressing(
+            reasons.MODEL_DEPLOYMENT_NOT_READY, f"Admitted; waiting for its engines. {decision.message}"
+        )
+    refused = f"Serving at its admitted quota: {decision.message} Change refused: {decision.refused}"
+    if pool_ready:
+        updates = ready(decision.reason, f"{refused} Call {endpoint} with the key in {api_key_secret}.")
+    else:
+        updates = progressing(
+            reasons.MODEL_DEPLOYMENT_NOT_READY, f"Admitted; waiting for its engines. {refused}"
+        )
+    return [u for u in updates if u.type != DEGRADED] + [
+        ConditionUpdate(DEGRADED, "True", decision.reason, refused)
+    ]
+
+
 def compute_tenant_status(
     tenant: Tenant,
     decision: TenantDecision | None,
@@ -180,8 +221,13 @@ def compute_tenant_status(
     endpoint: str,
     api_key_secret: str,
     now: str,
+    keys: KeyResolution | None = None,
 ) -> Obj:
-    """``problem`` (a dependency or spec issue) wins; else admission; else readiness of its pool."""
+    """``problem`` (a dependency or spec issue) wins; else admission; else readiness of its pool.
+
+    ``admittedQuota`` is what admission decided; without a decision (the ModelDeployment cannot be served
+    now) it stays what it was. ``keys`` gives the fingerprints of the keys that serve the tenant.
+    """
     generation = int(tenant.metadata.get("generation", 0))
     current = tenant.status.model_dump(by_alias=True, mode="json")["conditions"] if tenant.status else []
     resolved = ResolvedQuota()
@@ -194,14 +240,8 @@ def compute_tenant_status(
     elif decision is None or not decision.admitted:
         reason = decision.reason if decision else reasons.INVALID_SPEC
         updates = failed(reason, decision.message if decision else "Not admitted.")
-    elif pool_ready:
-        updates = ready(
-            reasons.READY, f"Admitted: {decision.message} Call {endpoint} with the key in {api_key_secret}."
-        )
     else:
-        updates = progressing(
-            reasons.MODEL_DEPLOYMENT_NOT_READY, f"Admitted; waiting for its engines. {decision.message}"
-        )
+        updates = _admitted_conditions(decision, pool_ready, endpoint, api_key_secret)
     if decision is not None and decision.quota is not None and capacity is not None:
         q = decision.quota
         resolved = ResolvedQuota(
@@ -215,14 +255,29 @@ def compute_tenant_status(
             nvme_bytes=q.nvme_bytes,
         )
     admitted = decision is not None and decision.admitted and problem is None
+    fingerprints = keys.fingerprints if keys is not None and admitted else ()
     status = TenantStatus(
         conditions=merge_conditions(current, updates, generation, now),
         observed_generation=generation,
         resolved_quota=resolved,
         endpoint=endpoint if admitted else "",
         api_key_secret_name=api_key_secret,
+        api_key_fingerprints=ApiKeyFingerprints(
+            current=fingerprints[0], previous=fingerprints[1] if len(fingerprints) > 1 else None
+        )
+        if fingerprints
+        else None,
+        requested_quota=requested_terms(tenant),
+        admitted_quota=admitted_terms(tenant) if decision is None else decision.terms,
     )
     return status.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+#: The status model of each kind the operator writes status on.
+STATUS_MODELS: dict[kinds.Kind, type[CrdModel]] = {
+    kinds.MODEL_DEPLOYMENT: ModelDeploymentStatus,
+    kinds.TENANT: TenantStatus,
+}
 
 
 @dataclass(frozen=True)
@@ -236,7 +291,7 @@ class StatusWrite:
 
     @property
     def changed(self) -> bool:
-        return status_changed(self.raw.get("status"), self.status)
+        return status_changed(self.raw.get("status"), self.status, STATUS_MODELS[self.kind])
 
 
 def compute_unserved_statuses(
@@ -293,13 +348,16 @@ def compute_served_statuses(
     tenants: Sequence[Tenant],
     tenant_problems: Mapping[str, ConditionUpdate],
     now: str,
+    keys: Mapping[str, KeyResolution] | None = None,
 ) -> list[StatusWrite]:
     """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
     ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
 
     A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
-    every other tenant its full status. While the ModelDeployment has a problem, its tenants wait on it.
+    every other tenant its full status, with the fingerprints of its keys (``keys``). While the
+    ModelDeployment has a problem, its tenants wait on it.
     """
+    keys = keys or {}
     name = str(md.metadata["name"])
     engines = readiness_of(
         _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
@@ -319,9 +377,11 @@ def compute_served_statuses(
     for tname, raw in raw_tenants.items():
         tenant = parsed.get(tname)
         if tenant is None:
-            writes.append(
-                StatusWrite(kinds.TENANT, raw, compute_failure_status(raw, tenant_problems.get(tname), now))
-            )
+            # A tenant whose key is refused keeps its admitted room; one whose spec does not parse does not.
+            cause = tenant_problems.get(tname)
+            keep = cause is not None and cause.reason != reasons.INVALID_SPEC
+            status = compute_failure_status(raw, cause, now, keep_admitted_quota=keep)
+            writes.append(StatusWrite(kinds.TENANT, raw, status))
             continue
         decision = by_decision.get(tname)
         cause = model_deployment_problem_for_tenant(md_problem) if md_problem is not None else None
@@ -334,23 +394,23 @@ def compute_served_statuses(
             endpoint,
             api_key_secret_ref(tenant)[0],
             now,
+            keys.get(tname),
         )
         writes.append(StatusWrite(kinds.TENANT, raw, status))
     return writes
 
 
+def _condition(conditions: Sequence[Obj] | None, kind: str) -> Obj:
+    return next((c for c in conditions or [] if c.get("type") == kind), {})
+
+
 def _ready(conditions: Sequence[Obj] | None) -> Obj:
-    return next((c for c in conditions or [] if c.get("type") == "Ready"), {})
+    return _condition(conditions, "Ready")
 
 
-def compute_ready_event(obj: Obj, before: Sequence[Obj] | None, after: Sequence[Obj] | None) -> Obj | None:
-    """A Kubernetes Event when the Ready condition flips or changes reason: what a human should notice
-    (``kubectl describe`` shows it). ``None`` when nothing worth telling happened."""
-    old, new = _ready(before), _ready(after)
-    if not new or (old.get("status"), old.get("reason")) == (new.get("status"), new.get("reason")):
-        return None
+def _event(obj: Obj, condition: Obj, warning: bool) -> Obj:
     meta = obj["metadata"]
-    now = str(new.get("lastTransitionTime") or "")
+    now = str(condition.get("lastTransitionTime") or "")
     return {
         "apiVersion": "v1",
         "kind": "Event",
@@ -362,9 +422,9 @@ def compute_ready_event(obj: Obj, before: Sequence[Obj] | None, after: Sequence[
             "namespace": meta.get("namespace"),
             "uid": meta.get("uid"),
         },
-        "type": "Normal" if new.get("status") == "True" else "Warning",
-        "reason": new.get("reason", "Unknown"),
-        "message": str(new.get("message", ""))[:1024],
+        "type": "Warning" if warning else "Normal",
+        "reason": condition.get("reason", "Unknown"),
+        "message": str(condition.get("message", ""))[:1024],
         "source": {"component": "kvfleet-operator"},
         "firstTimestamp": now,
         "lastTimestamp": now,
@@ -372,6 +432,44 @@ def compute_ready_event(obj: Obj, before: Sequence[Obj] | None, after: Sequence[
     }
 
 
-def status_changed(current: Obj | None, desired: Obj) -> bool:
-    """Whether writing ``desired`` would change anything (so a converged object is not written)."""
-    return not is_subset(desired, current or {})
+def _news(before: Obj, after: Obj) -> bool:
+    return bool(after) and (before.get("status"), before.get("reason")) != (
+        after.get("status"),
+        after.get("reason"),
+    )
+
+
+def compute_ready_event(obj: Obj, before: Sequence[Obj] | None, after: Sequence[Obj] | None) -> Obj | None:
+    """A Kubernetes Event when the Ready condition flips or changes reason: what a human should notice
+    (``kubectl describe`` shows it). ``None`` when nothing worth telling happened."""
+    old, new = _ready(before), _ready(after)
+    if not _news(old, new):
+        return None
+    # A refused quota change keeps the tenant Ready but degraded: worth a warning all the same.
+    degraded = _condition(after, DEGRADED).get("status") == "True"
+    return _event(obj, new, warning=new.get("status") != "True" or degraded)
+
+
+def compute_events(obj: Obj, before: Sequence[Obj] | None, after: Sequence[Obj] | None) -> list[Obj]:
+    """The Events a status change is worth: :func:`compute_ready_event`, and a warning when the object
+    becomes degraded for a reason Ready does not tell (a refused quota change of a tenant whose pool is
+    still starting)."""
+    events = [e for e in [compute_ready_event(obj, before, after)] if e is not None]
+    old, new = _condition(before, DEGRADED), _condition(after, DEGRADED)
+    told = {e["reason"] for e in events} | {_ready(after).get("reason")}
+    if new.get("status") == "True" and _news(old, new) and new.get("reason") not in told:
+        events.append(_event(obj, new, warning=True))
+    return events
+
+
+def status_changed(current: Obj | None, desired: Obj, model: type[CrdModel]) -> bool:
+    """Whether writing ``desired`` would change anything (so a converged object is not written).
+
+    Compared as ``model`` (the kind's status model), so that the defaults the API server fills in are no
+    change, while a field ``desired`` no longer has (the previous key's fingerprint after a rotation) is:
+    the write removes it.
+    """
+    try:
+        return model.model_validate(current or {}) != model.model_validate(desired)
+    except ValidationError:
+        return True

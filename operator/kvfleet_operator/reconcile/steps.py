@@ -8,13 +8,20 @@ decision is tested without a cluster.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.api.manifest import format_validation_error
-from kvfleet_operator.build.keys import KeyResolution, api_key_secret_ref, resolve_api_key_hashes
+from kvfleet_operator.build.keys import (
+    KeyResolution,
+    api_key_secret_ref,
+    find_shared_keys,
+    fingerprint_of_hash,
+    resolve_api_key_hashes,
+)
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, compute_pool_capacity
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile.conditions import ConditionUpdate
@@ -67,27 +74,58 @@ def parse_tenants(raw_tenants: Mapping[str, Obj]) -> tuple[list[Tenant], dict[st
     return tenants, problems
 
 
-def resolve_keys(
-    tenants: Sequence[Tenant], secrets: Mapping[str, Obj]
-) -> tuple[list[Tenant], dict[str, KeyResolution], dict[str, ConditionUpdate]]:
-    """Each tenant's API keys from the namespace's Secrets (by name).
+@dataclass
+class ResolvedKeys:
+    """Each tenant's API keys, and which tenants may go on to admission."""
 
-    Returns the tenants that may go on to admission (their keys resolve, or will be generated once they
-    are admitted), every tenant's resolution, and ``ApiKeySecretNotFound`` for each tenant whose Secret
-    named in ``spec.apiKeySecretRef`` (or its data key) is missing: such a tenant is not admitted.
+    #: Tenants whose keys resolve (or will be generated once they are admitted), in order.
+    usable: list[Tenant] = field(default_factory=list)
+    #: Tenants whose key is refused: served with nothing, but an admitted one keeps the room of its
+    #: admitted quota (``admit_tenants``'s ``held``) until its key is fixed.
+    refused: list[Tenant] = field(default_factory=list)
+    resolutions: dict[str, KeyResolution] = field(default_factory=dict)
+    #: Why each refused tenant's key is refused.
+    problems: dict[str, ConditionUpdate] = field(default_factory=dict)
+
+
+def _shared_key_problem(
+    model_deployment: str, others: Sequence[str], shared: Sequence[str]
+) -> ConditionUpdate:
+    names = ", ".join(repr(o) for o in others)
+    prints = ", ".join(fingerprint_of_hash(h) for h in shared)
+    return problem(
+        reasons.API_KEY_SHARED,
+        f"Tenant(s) {names} of ModelDeployment {model_deployment!r} have the same API key ({prints}): its "
+        "gateway could not tell them apart, so this key is refused for all of them and none is served "
+        "with it. Give each tenant its own key (docs/operations.md, rotating an API key).",
+    )
+
+
+def resolve_keys(
+    tenants: Sequence[Tenant], secrets: Mapping[str, Obj], model_deployment: str
+) -> ResolvedKeys:
+    """Each tenant's API keys from the namespace's Secrets (by name); see ``build/keys.py`` for the rules.
+
+    A tenant is refused when its Secret named in ``spec.apiKeySecretRef`` (or its data key) is missing
+    (``ApiKeySecretNotFound``), the Secret is not marked for it (``ApiKeySecretNotLabelled``), a key is
+    weak (``ApiKeyTooWeak``), or another tenant of ``model_deployment`` holds one of its keys
+    (``ApiKeyShared``, for every tenant holding it: which one is the rightful holder cannot be known).
     """
-    usable: list[Tenant] = []
-    resolutions: dict[str, KeyResolution] = {}
-    problems: dict[str, ConditionUpdate] = {}
+    out = ResolvedKeys()
     for tenant in tenants:
         name = str(tenant.metadata["name"])
         resolution = resolve_api_key_hashes(tenant, secrets.get(api_key_secret_ref(tenant)[0]))
-        resolutions[name] = resolution
-        if resolution.missing is not None:
-            problems[name] = problem(reasons.API_KEY_SECRET_NOT_FOUND, resolution.missing)
-        else:
-            usable.append(tenant)
-    return usable, resolutions, problems
+        out.resolutions[name] = resolution
+        if resolution.reason is not None:
+            out.problems[name] = problem(resolution.reason, resolution.message or "")
+    hashes = {name: r.hashes for name, r in out.resolutions.items() if r.hashes}
+    for name, others in find_shared_keys(hashes).items():
+        theirs = {h for other in others for h in hashes[other]}
+        shared = [h for h in hashes[name] if h in theirs]
+        out.problems[name] = _shared_key_problem(model_deployment, others, shared)
+    for tenant in tenants:
+        (out.refused if str(tenant.metadata["name"]) in out.problems else out.usable).append(tenant)
+    return out
 
 
 def size_pool(md: ModelDeployment) -> PoolCapacity | ConditionUpdate:

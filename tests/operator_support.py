@@ -1,0 +1,157 @@
+"""Running the operator's reconcile against the real API server, for the attack tests (tests/security)
+and the key rotation test (tests/cluster/test_key_rotation.py).
+
+The reconcile is the one every kopf handler calls (``reconcile_model_deployment``), run in process so
+that a test can count its mutating API calls; the API server is the session's real one
+(``api_cluster``/``full_cluster`` in tests/cluster_fixtures.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import secrets
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from devcluster import ControlPlane
+
+from kvfleet_operator.build.model_deployment import OperatorImages
+from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
+from kvfleet_operator.k8s.client import Credentials, KubeClient
+from kvfleet_runtime.config import KeyFile, TenantTable
+
+# tests/cluster/ is no package: pytest puts it on sys.path for its own tests; the same module for these.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
+from cluster_helpers import apply_crds, create_namespace, delete_namespace
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+CONFIG = OperatorConfig(
+    images=OperatorImages(engine="kvfleet-engine:test", gateway="kvfleet:test"), salt_master=b"m" * 32
+)
+API = "/apis/kvfleet.io/v1alpha1"
+
+
+def strong_key() -> str:
+    """A key as the docs recommend making one (``kvf-$(openssl rand -hex 32)``)."""
+    return "kvf-" + secrets.token_hex(32)
+
+
+def fingerprint(key: str) -> str:
+    """What ``printf %s "$KEY" | sha256sum | cut -c1-12`` prints, with the status's ``sha256:`` prefix."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def load_example(name: str, namespace: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / name).read_text())
+    doc["metadata"]["namespace"] = namespace
+    return doc
+
+
+def reconcile(plane: ControlPlane, namespace: str, name: str) -> tuple[ReconcileResult, int]:
+    """One reconcile; returns its result and the number of mutating API calls it made."""
+
+    async def go() -> tuple[ReconcileResult, int]:
+        async with KubeClient(Credentials.from_kubeconfig(plane.kubeconfig)) as client:
+            result = await reconcile_model_deployment(client, CONFIG, namespace, name)
+            return result, client.mutating_calls
+
+    return asyncio.run(go())
+
+
+def converge(plane: ControlPlane, namespace: str, name: str, rounds: int = 6) -> int:
+    """Reconcile until a round mutates nothing; returns the rounds it took."""
+    for i in range(1, rounds + 1):
+        if reconcile(plane, namespace, name)[1] == 0:
+            return i
+    raise AssertionError(f"{namespace}/{name} did not converge in {rounds} reconciles")
+
+
+def create(plane: ControlPlane, doc: dict[str, Any]) -> dict[str, Any]:
+    namespace = doc["metadata"]["namespace"]
+    path = {
+        "ModelDeployment": f"{API}/namespaces/{namespace}/modeldeployments",
+        "Tenant": f"{API}/namespaces/{namespace}/tenants",
+        "Secret": f"/api/v1/namespaces/{namespace}/secrets",
+    }[doc["kind"]]
+    status, body = plane.request("POST", path, doc)
+    assert status == 201, body
+    created: dict[str, Any] = body
+    return created
+
+
+def get(plane: ControlPlane, path: str) -> dict[str, Any]:
+    status, body = plane.request("GET", path)
+    assert status == 200, (path, body)
+    found: dict[str, Any] = body
+    return found
+
+
+def tenant(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    return get(plane, f"{API}/namespaces/{namespace}/tenants/{name}")
+
+
+def condition(obj: dict[str, Any], kind: str = "Ready") -> dict[str, Any]:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            found: dict[str, Any] = cond
+            return found
+    return {}
+
+
+def key_secret(
+    namespace: str, name: str, key: str, *, tenant: str | None, previous: str | None = None
+) -> dict[str, Any]:
+    """A key Secret, labelled ``kvfleet.io/tenant=<tenant>`` unless ``tenant`` is ``None``."""
+    data = {"api-key": key} | ({"api-key-previous": previous} if previous else {})
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"kvfleet.io/tenant": tenant} if tenant else {},
+        },
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
+
+
+def secret_value(plane: ControlPlane, namespace: str, name: str, data_key: str = "api-key") -> str | None:
+    data = get(plane, f"/api/v1/namespaces/{namespace}/secrets/{name}").get("data") or {}
+    return base64.b64decode(data[data_key]).decode() if data_key in data else None
+
+
+def key_file(plane: ControlPlane, namespace: str, md: str) -> KeyFile:
+    """The keys Secret the operator rendered for the gateway of ``md``."""
+    secret = get(plane, f"/api/v1/namespaces/{namespace}/secrets/{md}-keys")
+    return KeyFile.model_validate_json(base64.b64decode(secret["data"]["keys.json"]))
+
+
+def tenant_table(plane: ControlPlane, namespace: str, md: str) -> TenantTable:
+    cm = get(plane, f"/api/v1/namespaces/{namespace}/configmaps/{md}-tenants")
+    return TenantTable.model_validate_json(cm["data"]["tenants.json"])
+
+
+def events_of(plane: ControlPlane, namespace: str, name: str) -> list[tuple[str, str]]:
+    """(type, reason) of the Events about object ``name``: what ``kubectl describe`` lists."""
+    events = get(plane, f"/api/v1/namespaces/{namespace}/events")["items"]
+    return [(e["type"], e["reason"]) for e in events if e["involvedObject"]["name"] == name]
+
+
+def tiny_namespace(plane: ControlPlane, prefix: str, tenants: tuple[str, ...] = ()) -> Iterator[str]:
+    """A fresh namespace with the CPU example ModelDeployment ``tiny`` and the named example tenants
+    (``examples/local/tenant-<name>.yaml``); deleted afterwards. For a fixture to ``yield from``."""
+    apply_crds(plane)
+    namespace = create_namespace(plane, prefix)
+    try:
+        create(plane, load_example("local/modeldeployment-tiny.yaml", namespace))
+        for name in tenants:
+            create(plane, load_example(f"local/tenant-{name}.yaml", namespace))
+        yield namespace
+    finally:
+        delete_namespace(plane, namespace)
