@@ -1,16 +1,20 @@
 """Plan what to change: desired children against the children that exist. Pure.
 
-A child needs an apply only when some field the operator sets differs from the live object; fields the
-API server defaults or other controllers own are ignored. So a second reconcile of a converged object
-plans nothing, and the shell makes zero mutating calls. Builders must therefore emit fields in the
-form the server stores them (canonical quantities, ``data`` not ``stringData`` for Secrets).
+A child needs an apply when a field the operator sets is missing from the live object or differs there;
+fields the API server defaults or other controllers own are ignored. So a second reconcile of a
+converged object plans nothing, and the shell makes zero mutating calls; and every field the operator
+sets is restored when someone removes it, ``false``, ``0`` and ``""`` included (deleting
+``allowPrivilegeEscalation: false`` from a live pod template is drift like any other). Builders must
+therefore emit fields in the form the server stores them (canonical quantities, ``data`` not
+``stringData`` for Secrets, no empty maps); the only zero values the server drops on its own are listed in
+:data:`SERVER_OMITS_ZERO`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from kvfleet_operator.k8s.kinds import CHILD_KINDS, Kind, kind_of
 
@@ -30,29 +34,48 @@ class Action:
         return f"{self.verb} {self.kind.kind} {where}"
 
 
-def is_subset(desired: Any, live: Any) -> bool:
-    """Whether every field in ``desired`` has the same value in ``live`` (recursively).
+_TOLERATION = ("key", "operator", "value", "effect")
 
-    A field missing from ``live`` matches a zero value in ``desired``, because the server drops zero
-    values of ``omitempty`` fields when it stores an object.
+#: Fields the API server does not store when they hold their zero value (``false``, ``0``, ``""``): the
+#: non-pointer ``omitempty`` fields of the Kubernetes types, among those the builders emit. Found by
+#: applying every child to the real API server and reading it back (tests/security/test_drift_repair.py
+#: checks that a converged object plans nothing and that every other field removed is restored). Paths
+#: are dotted from the object's root; ``*`` is any item of a list. Any other field, zero or not, must be
+#: present in the live object.
+SERVER_OMITS_ZERO: Final[Mapping[str, Set[str]]] = {
+    "Service": frozenset({"spec.publishNotReadyAddresses"}),
+    "StatefulSet": frozenset(f"spec.template.spec.tolerations.*.{f}" for f in _TOLERATION),
+    "Deployment": frozenset(f"spec.template.spec.tolerations.*.{f}" for f in _TOLERATION),
+}
+
+
+def is_subset(desired: Any, live: Any, omits_zero: Set[str] = frozenset(), path: str = "") -> bool:
+    """Whether every field in ``desired`` is present in ``live`` with the same value (recursively).
+
+    A field missing from ``live`` matches only an empty list in ``desired`` (Kubernetes cannot tell an
+    empty list from none: the server stores neither), or a zero value at a path in ``omits_zero`` (where
+    the server drops zero values: :data:`SERVER_OMITS_ZERO`). ``path`` is where ``desired`` sits.
     """
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return False
-        return all(
-            is_subset(value, live[key]) if key in live else _is_go_zero(value)
-            for key, value in desired.items()
-        )
+        for key, value in desired.items():
+            here = f"{path}.{key}" if path else str(key)
+            if key in live:
+                if not is_subset(value, live[key], omits_zero, here):
+                    return False
+            elif not (value == [] or (here in omits_zero and _is_zero(value))):
+                return False
+        return True
     if isinstance(desired, list):
         if not isinstance(live, list) or len(desired) != len(live):
             return False
-        return all(is_subset(d, lv) for d, lv in zip(desired, live, strict=True))
+        return all(is_subset(d, lv, omits_zero, f"{path}.*") for d, lv in zip(desired, live, strict=True))
     return bool(desired == live)
 
 
-def _is_go_zero(value: Any) -> bool:
-    """The API server omits zero values (``omitempty``): ``false``, ``0``, ``""``, ``[]``, ``{}``."""
-    return value is False or value == 0 or value in ("", [], {})
+def _is_zero(value: Any) -> bool:
+    return value is False or value == "" or (type(value) is int and value == 0)
 
 
 def _key(obj: Obj) -> tuple[str, str, str | None, str]:
@@ -75,7 +98,8 @@ def compute_plan(desired: Sequence[Obj], existing: Iterable[Obj]) -> list[Action
     applies = [
         Action("apply", kind_of(obj), obj["metadata"].get("namespace"), obj["metadata"]["name"], obj)
         for obj in desired
-        if _key(obj) not in live or not is_subset(obj, live[_key(obj)])
+        if _key(obj) not in live
+        or not is_subset(obj, live[_key(obj)], SERVER_OMITS_ZERO.get(obj["kind"], frozenset()))
     ]
     deletes = [
         Action("delete", kind_of(obj), obj["metadata"].get("namespace"), obj["metadata"]["name"])

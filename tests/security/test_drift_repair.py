@@ -1,0 +1,116 @@
+"""Drift repair against the real API server: every field the operator sets comes back when removed.
+
+Threat: someone with write access to the namespace (a compromised CI job, a hurried human) deletes a
+hardening field from a live engine or gateway template (``automountServiceAccountToken: false``,
+``allowPrivilegeEscalation: false``, ...). A plan that read a missing field as ``false`` would never
+restore it, and the next pod would run with a service-account token or with privilege escalation allowed.
+Each field is removed with a JSON patch (another field manager, as ``kubectl edit`` would), and one
+reconcile must bring it back; a converged object must then cost no write.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from devcluster import ControlPlane
+
+from kvfleet_operator.build.common import restricted_container_security, restricted_pod_security
+from operator_support import (
+    apply_crds,
+    converge,
+    create,
+    create_namespace,
+    delete_namespace,
+    get,
+    key_secret,
+    load_example,
+    reconcile,
+    strong_key,
+)
+
+POD = "/spec/template/spec"
+CONTAINER = f"{POD}/containers/0/securityContext"
+#: (JSON pointer of the field, what the operator sets there), for the pod and its first container.
+SECURITY_FIELDS = [
+    (f"{POD}/automountServiceAccountToken", False),
+    (f"{POD}/enableServiceLinks", False),
+    (f"{POD}/securityContext/runAsNonRoot", restricted_pod_security()["runAsNonRoot"]),
+    (f"{POD}/securityContext/seccompProfile", restricted_pod_security()["seccompProfile"]),
+    *[(f"{CONTAINER}/{field}", value) for field, value in restricted_container_security().items()],
+    (f"{CONTAINER}/capabilities/drop", ["ALL"]),
+]
+WORKLOADS = [
+    ("apps/v1", "deployments", "qwen72b-gateway"),
+    ("apps/v1", "statefulsets", "qwen72b-engine"),
+    ("apps/v1", "statefulsets", "qwen72b-dedicated-bank-engine"),
+]
+
+
+@pytest.fixture(scope="module")
+def namespace(api_cluster: ControlPlane) -> Iterator[str]:
+    """The GPU examples (shared pool, a dedicated bank with tolerations, NVMe claim templates), converged."""
+    apply_crds(api_cluster)
+    ns = create_namespace(api_cluster, "drift")
+    try:
+        bank_secret = key_secret(ns, "bank-api-key", strong_key(), tenant="bank")
+        create(api_cluster, bank_secret)
+        create(api_cluster, load_example("modeldeployment-qwen72b.yaml", ns))
+        for name in ("tenant-bank.yaml", "tenant-saas.yaml", "tenant-startup-a.yaml"):
+            create(api_cluster, load_example(name, ns))
+        converge(api_cluster, ns, "qwen72b")
+        yield ns
+    finally:
+        delete_namespace(api_cluster, ns)
+
+
+def _at(obj: Any, pointer: str) -> Any:
+    for part in pointer.strip("/").split("/"):
+        obj = obj[int(part)] if isinstance(obj, list) else obj.get(part, KeyError)
+        if obj is KeyError:
+            return KeyError
+    return obj
+
+
+def test_a_converged_namespace_costs_no_write(api_cluster: ControlPlane, namespace: str) -> None:
+    """Only the zero values the server drops itself may be missing (plan.SERVER_OMITS_ZERO): were one
+    missing from that list, every reconcile would apply the object again."""
+    assert reconcile(api_cluster, namespace, "qwen72b")[1] == 0
+
+
+@pytest.mark.parametrize(
+    ("pointer", "value"), SECURITY_FIELDS, ids=[p.split("spec/")[-1] for p, _ in SECURITY_FIELDS]
+)
+@pytest.mark.parametrize(("api", "plural", "name"), WORKLOADS, ids=[w[2] for w in WORKLOADS])
+def test_a_removed_security_field_comes_back_after_one_reconcile(
+    api_cluster: ControlPlane, namespace: str, api: str, plural: str, name: str, pointer: str, value: Any
+) -> None:
+    plane = api_cluster
+    path = f"/apis/{api}/namespaces/{namespace}/{plural}/{name}"
+    assert _at(get(plane, path), pointer) == value
+    status, body = plane.request(
+        "PATCH", path, [{"op": "remove", "path": pointer}], content_type="application/json-patch+json"
+    )
+    assert status == 200, body
+    assert _at(get(plane, path), pointer) is KeyError  # the server kept the removal
+
+    _, writes = reconcile(plane, namespace, "qwen72b")
+    assert writes == 1  # exactly the drifted object
+    assert _at(get(plane, path), pointer) == value
+    assert reconcile(plane, namespace, "qwen72b")[1] == 0
+
+
+def test_a_forged_key_file_is_restored(api_cluster: ControlPlane, namespace: str) -> None:
+    """Threat: someone rewrites the gateway's key file (to add a key of their own, or drop a tenant's).
+    The keys Secret is restored byte for byte by the next reconcile."""
+    path = f"/api/v1/namespaces/{namespace}/secrets/qwen72b-keys"
+    before = get(api_cluster, path)["data"]["keys.json"]
+    forged = base64.b64encode(b'{"schema_version": 1}').decode()
+    status, body = api_cluster.request(
+        "PATCH", path, {"data": {"keys.json": forged}}, content_type="application/merge-patch+json"
+    )
+    assert status == 200, body
+    assert reconcile(api_cluster, namespace, "qwen72b")[1] == 1
+    assert get(api_cluster, path)["data"]["keys.json"] == before
