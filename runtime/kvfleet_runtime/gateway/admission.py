@@ -231,6 +231,11 @@ def _too_large_message(binding: str, prompt_tokens: int, sequences: int, limits:
 
 
 # -- the gate -------------------------------------------------------------------------------------------
+#: OpenAI's rate-limit headers: (limit, remaining, reset) for requests and for tokens.
+_REQUEST_HEADERS = tuple(f"x-ratelimit-{what}-requests" for what in ("limit", "remaining", "reset"))
+_TOKEN_HEADERS = tuple(f"x-ratelimit-{what}-tokens" for what in ("limit", "remaining", "reset"))
+
+
 @dataclass(frozen=True)
 class GateLimits:
     """The limits of one tenant's gate; ``None`` means unlimited. Rates are the tenant's whole limits:
@@ -347,12 +352,12 @@ class TenantGate:
     def rate_limit_headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for this replica's buckets (a trio per limit that is set)."""
         headers: dict[str, str] = {}
-        for bucket, unit in ((self.rpm, "requests"), (self.tpm, "tokens")):
+        for bucket, (limit, remaining, reset) in ((self.rpm, _REQUEST_HEADERS), (self.tpm, _TOKEN_HEADERS)):
             if bucket is not None:
-                reset = bucket.seconds_to_full()
-                headers[f"x-ratelimit-limit-{unit}"] = str(max(1, math.floor(bucket.capacity)))
-                headers[f"x-ratelimit-remaining-{unit}"] = str(max(0, math.floor(bucket.level)))
-                headers[f"x-ratelimit-reset-{unit}"] = format_reset(reset)
+                left = bucket.seconds_to_full()  # refills: the level below is current
+                headers[limit] = str(max(1, int(bucket.capacity)))
+                headers[remaining] = str(max(0, int(bucket.level)))
+                headers[reset] = format_reset(left)
         return headers
 
     def _blocker(self, kv_tokens: int) -> str | None:

@@ -16,14 +16,17 @@ connection wrapped in a ``_Guard`` protocol that:
   registered on the app), after which the next byte starts the next request's header clock.
 
 The guard only looks for the end of the header block; aiohttp still parses everything, so what the
-guard sees changes nothing but when a connection is closed. A client that keeps a connection without
-sending anything is closed by aiohttp's keep-alive timeout (``idle_timeout_s`` of the server), and, for
-its first request, by the header timeout here.
+guard sees changes nothing but when a connection is closed. Deadlines are checked by one sweep of the
+open connections every ``header_timeout_s / 5`` (at most a second) rather than by a timer per request:
+a request pays for a clock read, and a late one is closed within that much of its deadline. A client
+that keeps a connection open between requests without sending anything is closed by aiohttp's keep-alive
+timeout (the server's ``idle_timeout_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +53,7 @@ class ConnectionGuards:
     """The guards of one listening socket: their settings, the open connections and what was closed.
 
     ``on_refused`` and ``on_header_timeout`` are called once per connection closed for that reason (the
-    gateway counts them in its metrics).
+    gateway counts them in its metrics). ``start`` and ``stop`` run the deadline sweep.
     """
 
     def __init__(
@@ -66,10 +69,29 @@ class ConnectionGuards:
         self.on_header_timeout = on_header_timeout
         #: Open connections, by the aiohttp protocol each one wraps (how a request finds its guard).
         self.by_protocol: dict[object, _Guard] = {}
+        self.sweep_interval_s = min(1.0, max(0.02, header_timeout_s / 5))
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.time: Callable[[], float] = lambda: 0.0
 
     @property
     def open(self) -> int:
         return len(self.by_protocol)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.time = loop.time
+        self._sweeper = loop.call_later(self.sweep_interval_s, self._sweep)
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    def _sweep(self) -> None:
+        now = self.time()
+        for guard in [g for g in self.by_protocol.values() if g.deadline <= now]:
+            guard.header_timeout()
+        self._sweeper = asyncio.get_running_loop().call_later(self.sweep_interval_s, self._sweep)
 
     async def on_response_prepare(self, request: web.BaseRequest, _response: web.StreamResponse) -> None:
         """An ``app.on_response_prepare`` receiver: the request's connection is between requests now."""
@@ -81,14 +103,15 @@ class ConnectionGuards:
 class _Guard(asyncio.Protocol):
     """One connection: aiohttp's protocol inside, the bound and the header clock around it."""
 
-    __slots__ = ("_guards", "_inner", "_refused", "_started", "_state", "_tail", "_timer", "_transport")
+    __slots__ = ("_guards", "_inner", "_refused", "_started", "_state", "_tail", "_transport", "deadline")
 
     def __init__(self, inner: Any, guards: ConnectionGuards) -> None:
         self._inner = inner
         self._guards = guards
         self._transport: asyncio.Transport | None = None
         self._state = _HEADERS
-        self._timer: asyncio.TimerHandle | None = None
+        #: When the headers being received are late (``inf`` while none are awaited).
+        self.deadline = math.inf
         self._tail = b""
         self._started = False
         self._refused = False
@@ -110,16 +133,12 @@ class _Guard(asyncio.Protocol):
         self._state = _HEADERS
         self._tail = b""
         self._started = False
-        self._timer = asyncio.get_running_loop().call_later(
-            self._guards.header_timeout_s, self._header_timeout
-        )
+        self.deadline = self._guards.time() + self._guards.header_timeout_s
 
     def _end_headers(self) -> None:
         self._state = _REQUEST
         self._tail = b""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadline = math.inf
 
     def response_started(self) -> None:
         if self._state == _REQUEST:
@@ -147,8 +166,9 @@ class _Guard(asyncio.Protocol):
         else:
             self._tail = (self._tail + data)[-3:]
 
-    def _header_timeout(self) -> None:
-        self._timer = None
+    def header_timeout(self) -> None:
+        """The sweep found this connection's headers late: answer 408 and close it."""
+        self.deadline = math.inf
         transport = self._transport
         if self._state != _HEADERS or transport is None or transport.is_closing():
             return
@@ -168,9 +188,7 @@ class _Guard(asyncio.Protocol):
             self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadline = math.inf
         if self._refused:
             return
         self._guards.by_protocol.pop(self._inner, None)
@@ -209,3 +227,8 @@ class GuardedSite(web.BaseSite):
         )
         if self._server.sockets:
             self._bound_port = self._server.sockets[0].getsockname()[1]
+        guards.start()
+
+    async def stop(self) -> None:
+        self._guards.stop()
+        await super().stop()

@@ -118,16 +118,25 @@ class ParsedRequest:
 
 
 def decode_json(raw: bytes | bytearray) -> Any:
-    """Parse a request body; ``BadRequest`` for anything that is not valid, bounded JSON in UTF-8."""
+    """Parse a request body; ``BadRequest`` for anything that is not valid, bounded JSON in UTF-8.
+
+    The body is decoded as strict UTF-8 first (invalid bytes and encoded surrogates are refused there);
+    the tree walk of ``check_json_tree`` runs only when the body could hold what it looks for: more
+    opening brackets than the depth bound, or a ``\\u`` escape (the only way left to write a lone
+    surrogate). An ordinary request skips it.
+    """
     try:
-        value = json.loads(raw)
+        text = raw.decode()
     except UnicodeDecodeError:
         raise BadRequest("the request body is not valid UTF-8") from None
+    try:
+        value = json.loads(text.removeprefix("\ufeff"))
     except RecursionError:
         raise BadRequest(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:  # JSONDecodeError, and integers longer than Python's digit limit
         raise BadRequest("the request body is not valid JSON") from None
-    check_json_tree(value)
+    if b"\\u" in raw or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        check_json_tree(value)
     return value
 
 
