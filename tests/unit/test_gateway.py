@@ -277,9 +277,12 @@ async def test_connect_error_fails_over_and_no_healthy_replica_is_503(tmp_path: 
     async with gateway_env(tmp_path, [ACME], n_engines=2, health_interval_s=3600) as env:
         dead = env.engines[0]
         await dead.stop()  # still marked healthy: only the connect error reveals it
-        for i in range(6):
-            await env.chat("acme", content=f"p{i}")
-        assert len(env.engines[1].received) == 6
+        # Affinity hashes prompts over replicas on random ports: send until one has met the dead replica.
+        for sent in range(1, 41):
+            await env.chat("acme", content=f"p{sent}")
+            if sent >= 6 and await env.metric(m.UPSTREAM_ERRORS_TOTAL, kind="connect") >= 1:
+                break
+        assert len(env.engines[1].received) == sent
         assert await env.metric(m.UPSTREAM_ERRORS_TOTAL, kind="connect") >= 1
         await env.engines[1].stop()
         _, data, _ = await env.chat("acme", status=503)
