@@ -283,6 +283,9 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
                 str(keys),
                 "--listen",
                 f"127.0.0.1:{gw_port}",
+                # Its own free metrics port: the default (8081) may be taken by another run.
+                "--metrics-listen",
+                f"127.0.0.1:{free_port()}",
                 "--log-level",
                 "WARNING",
             ],
