@@ -59,7 +59,12 @@ def namespace(api_cluster: ControlPlane) -> Iterator[str]:
         create(api_cluster, bank_secret)
         create(api_cluster, load_example("modeldeployment-qwen72b.yaml", ns))
         for name in ("tenant-bank.yaml", "tenant-saas.yaml", "tenant-startup-a.yaml"):
-            create(api_cluster, load_example(name, ns))
+            doc = load_example(name, ns)
+            if (
+                "dedicated" in doc["spec"]
+            ):  # a group of its own: a GPU group belongs to one tenant cluster-wide
+                doc["spec"]["dedicated"]["gpuGroup"] = f"group-{ns}"
+            create(api_cluster, doc)
         converge(api_cluster, ns, "qwen72b")
         yield ns
     finally:
@@ -96,10 +101,11 @@ def test_a_removed_security_field_comes_back_after_one_reconcile(
     assert status == 200, body
     assert _at(get(plane, path), pointer) is KeyError  # the server kept the removal
 
-    _, writes = reconcile(plane, namespace, "qwen72b")
-    assert writes == 1  # exactly the drifted object
+    result, _ = reconcile(plane, namespace, "qwen72b")
+    kind = {"deployments": "Deployment", "statefulsets": "StatefulSet"}[plural]
+    assert result.applied == [f"apply {kind} {namespace}/{name}"]  # exactly the drifted object
     assert _at(get(plane, path), pointer) == value
-    assert reconcile(plane, namespace, "qwen72b")[1] == 0
+    converge(plane, namespace, "qwen72b")  # and then nothing more to write
 
 
 def test_a_forged_key_file_is_restored(api_cluster: ControlPlane, namespace: str) -> None:
@@ -112,5 +118,6 @@ def test_a_forged_key_file_is_restored(api_cluster: ControlPlane, namespace: str
         "PATCH", path, {"data": {"keys.json": forged}}, content_type="application/merge-patch+json"
     )
     assert status == 200, body
-    assert reconcile(api_cluster, namespace, "qwen72b")[1] == 1
+    result, _ = reconcile(api_cluster, namespace, "qwen72b")
+    assert result.applied == [f"apply Secret {namespace}/qwen72b-keys"]
     assert get(api_cluster, path)["data"]["keys.json"] == before
