@@ -85,6 +85,8 @@ image_ref() {  # name dockerfile -> <registry>/<name>:<version>-<hash12>
 
 declare -A DOCKERFILE=([kvfleet]=images/kvfleet/Dockerfile [engine]=images/engine/Dockerfile)
 declare -A REPO_NAME=([kvfleet]=kvfleet [engine]=kvfleet-engine)
+# The content ref each image got in this run (the tree may change while a long build runs).
+declare -A BUILT_REF=()
 
 if [ "$print_only" = 1 ]; then
   echo "base $BASE_REF"
@@ -148,6 +150,7 @@ build_image() {  # kvfleet|engine
     log "$t: $ref exists (inputs unchanged)"
     podman tag "$ref" "$REGISTRY/$name:$VERSION"
     record "$t" "$ref" 0 true "$pip_before"
+    BUILT_REF[$t]=$ref
     return
   fi
   local ctx=$IMAGES_CACHE/context-$t
@@ -158,6 +161,7 @@ build_image() {  # kvfleet|engine
     -f "$ctx/$file" -t "$ref" -t "$REGISTRY/$name:$VERSION" "$ctx"
   log "$t: done in $((SECONDS - start)) s; $(podman image inspect --format '{{.Size}}' "$ref" | numfmt --to=iec) "
   record "$t" "$ref" $((SECONDS - start)) false "$pip_before"
+  BUILT_REF[$t]=$ref
 }
 
 check_gpu_file() {
@@ -182,18 +186,27 @@ for t in "${targets[@]}"; do
 done
 [ "$check_gpu" = 0 ] || check_gpu_file
 
-# What was built, for the node tier and the tests: name -> content ref, version ref, size.
+# What was built, for the node tier and the tests: name -> content ref, version ref, size. Images not
+# built in this run keep their entry from the previous images.json when it still exists.
+previous=$IMAGES_CACHE/images.json
+for t in kvfleet engine; do
+  if [ -z "${BUILT_REF[$t]:-}" ] && [ -f "$previous" ]; then
+    old=$(jq -r --arg t "$t" '.[$t].ref // empty' "$previous")
+    [ -n "$old" ] && exists "$old" && BUILT_REF[$t]=$old
+  fi
+done
 {
   echo "{"
   sep=""
   for t in kvfleet engine; do
-    ref=$(image_ref "${REPO_NAME[$t]}" "${DOCKERFILE[$t]}")
-    exists "$ref" || continue
+    ref=${BUILT_REF[$t]:-}
+    [ -n "$ref" ] || continue
     printf '%s  "%s": {"ref": "%s", "version_ref": "%s", "id": "%s", "size_bytes": %s}' "$sep" "$t" "$ref" \
       "$REGISTRY/${REPO_NAME[$t]}:$VERSION" "$(podman image inspect --format '{{.Id}}' "$ref")" \
       "$(podman image inspect --format '{{.Size}}' "$ref")"
     sep=$',\n'
   done
   printf '%s  "base": {"ref": "%s"}\n}\n' "$sep" "$BASE_REF"
-} >"$IMAGES_CACHE/images.json"
+} >"$IMAGES_CACHE/images.json.tmp"
+mv "$IMAGES_CACHE/images.json.tmp" "$IMAGES_CACHE/images.json"
 log "all done in $((SECONDS - total)) s; refs in $IMAGES_CACHE/images.json"
