@@ -388,7 +388,7 @@ def test_monitors_are_created_only_when_the_monitoring_api_exists(
         assert [i["metadata"]["name"] for i in sm["items"]] == ["qwen72b-gateway"]
         assert [i["metadata"]["name"] for i in pm["items"]] == ["qwen72b-engines"]
         endpoints = pm["items"][0]["spec"]["podMetricsEndpoints"]
-        assert {e["port"] for e in endpoints} == {"http", "kv-metrics", "sync-metrics"}
+        assert {e["port"] for e in endpoints} == {"metrics"}  # the one metrics port, never vLLM's
     finally:
         for crd in crds:
             full_cluster.request(

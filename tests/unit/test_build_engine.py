@@ -263,14 +263,14 @@ def test_headless_service_exposes_inference_and_metrics_but_not_lmcache(pool: Po
     ports = {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]}
     assert ports == {
         "http": (ENGINE_PORT, "http"),
-        "kv-metrics": (PLUGIN_METRICS_PORT, "kv-metrics"),
-        "sync-metrics": (LMCACHE_SYNC_METRICS_PORT, "sync-metrics"),
+        "metrics": (PLUGIN_METRICS_PORT, "metrics"),  # the pod's one metrics port (sync's re-exported)
     }
     # Every named target port exists on the container.
     container_ports = build_engine_statefulset(pool)["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert {p["name"]: p["containerPort"] for p in container_ports} == {k: v[0] for k, v in ports.items()}
     assert LMCACHE_PORT not in {p["port"] for p in svc["spec"]["ports"]}
     assert LMCACHE_HTTP_PORT not in {p["port"] for p in svc["spec"]["ports"]}
+    assert LMCACHE_SYNC_METRICS_PORT not in {p["port"] for p in svc["spec"]["ports"]}  # pod loopback
 
 
 @pytest.mark.parametrize(

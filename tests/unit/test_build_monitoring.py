@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvfleet_operator.build.common import Owner, selector_labels
+from kvfleet_operator.build.common import ENGINE_PORT, PLUGIN_METRICS_PORT, Owner, selector_labels
 from kvfleet_operator.build.engine import PoolWorkload, build_engine_statefulset
 from kvfleet_operator.build.gateway import GatewayWorkload, build_gateway_deployment, build_gateway_service
 from kvfleet_operator.build.monitoring import build_engine_pod_monitor, build_gateway_service_monitor
@@ -52,10 +52,8 @@ def _pool(pool: str) -> PoolWorkload:
                 "metadata.name": "m-engines",
                 "metadata.ownerReferences[0].uid": "md-uid",
                 "spec.selector.matchLabels": selector_labels("m", "engine"),  # every pool: no pool label
-                "spec.podMetricsEndpoints": [
-                    {"port": port, "path": "/metrics", "interval": "15s"}
-                    for port in ("http", "kv-metrics", "sync-metrics")
-                ],
+                # One port per engine pod, serving every series and no inference API.
+                "spec.podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
             },
             id="engine-pod-monitor",
         ),
@@ -75,13 +73,17 @@ def test_service_monitor_scrapes_a_port_the_gateway_service_names() -> None:
 
 
 @pytest.mark.parametrize("pool", ["shared", "dedicated-bank"])
-def test_pod_monitor_selects_every_engine_pool_on_ports_its_pods_name(pool: str) -> None:
+def test_pod_monitor_selects_every_engine_pool_on_its_metrics_port_only(pool: str) -> None:
     monitor = build_engine_pod_monitor("ns", "m", OWNER)
     sts = build_engine_statefulset(_pool(pool))
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    container_ports = {p["name"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == container_ports
+    container_ports = {
+        p["name"]: p["containerPort"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
+    }
+    scraped = {container_ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert scraped == {PLUGIN_METRICS_PORT}  # never vLLM's inference port
+    assert ENGINE_PORT in container_ports.values()
 
 
 def test_pod_monitor_does_not_select_gateway_pods() -> None:

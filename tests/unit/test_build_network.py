@@ -1,10 +1,12 @@
-"""NetworkPolicies (build/network.py): only the gateway reaches engines, only scrapers read metrics."""
+"""NetworkPolicies (build/network.py): only the gateway reaches engines, only scrapers read metrics, and
+the scrapers are configurable. Who they really admit: tests/security/test_engine_reachability.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
@@ -17,7 +19,13 @@ from kvfleet_operator.build.common import (
     Owner,
     selector_labels,
 )
-from kvfleet_operator.build.network import build_engine_network_policy, build_gateway_network_policy
+from kvfleet_operator.build.network import (
+    MetricsScrapers,
+    build_engine_network_policy,
+    build_gateway_network_policy,
+    parse_metrics_scrapers,
+)
+from kvfleet_runtime.config import PLUGIN_DEBUG_PORT
 
 OWNER = Owner("kvfleet.io/v1alpha1", "ModelDeployment", "m", "md-uid")
 TENANT_OWNER = Owner("kvfleet.io/v1alpha1", "Tenant", "bank", "t-uid")
@@ -26,6 +34,12 @@ TENANT_OWNER = Owner("kvfleet.io/v1alpha1", "Tenant", "bank", "t-uid")
 def _ports(rule: dict[str, Any]) -> set[int]:
     assert all(p["protocol"] == "TCP" for p in rule["ports"])
     return {p["port"] for p in rule["ports"]}
+
+
+DEFAULT_SCRAPERS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"kvfleet.io/metrics-scraper": "true"}},
+}
 
 
 @pytest.mark.parametrize(
@@ -46,14 +60,17 @@ def test_engine_policy(pool: str, owner: Owner, name: str) -> None:
     # Inference only from this ModelDeployment's gateway pods (same namespace: no namespaceSelector).
     assert inference["from"] == [{"podSelector": {"matchLabels": selector_labels("m", "gateway")}}]
     assert _ports(inference) == {ENGINE_PORT}
-    # Metrics from pods labelled as scrapers, in any namespace.
-    assert metrics["from"] == [
-        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"kvfleet.io/metrics-scraper": "true"}}}
-    ]
-    assert _ports(metrics) == {ENGINE_PORT, PLUGIN_METRICS_PORT, LMCACHE_SYNC_METRICS_PORT}
-    # LMCache's ports stay on the pod's loopback: no rule admits them.
+    # Metrics from labelled pods of the monitoring namespace, on the metrics port only.
+    assert metrics["from"] == [DEFAULT_SCRAPERS]
+    assert _ports(metrics) == {PLUGIN_METRICS_PORT}
+    # LMCache's ports, the sync's metrics and the debug endpoint stay on the pod's loopback.
     for rule in spec["ingress"]:
-        assert not _ports(rule) & {LMCACHE_PORT, LMCACHE_HTTP_PORT}
+        assert not _ports(rule) & {
+            LMCACHE_PORT,
+            LMCACHE_HTTP_PORT,
+            LMCACHE_SYNC_METRICS_PORT,
+            PLUGIN_DEBUG_PORT,
+        }
 
 
 def test_gateway_policy_admits_anyone_on_its_api_port_and_scrapers_on_its_metrics_port() -> None:
@@ -64,8 +81,58 @@ def test_gateway_policy_admits_anyone_on_its_api_port_and_scrapers_on_its_metric
     api, metrics = policy["spec"]["ingress"]
     assert "from" not in api  # any source
     assert _ports(api) == {GATEWAY_PORT}
-    # The metrics name every tenant: only pods labelled as scrapers, in any namespace.
-    assert metrics["from"] == [
-        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"kvfleet.io/metrics-scraper": "true"}}}
-    ]
+    # The metrics name every tenant: only the configured scrapers.
+    assert metrics["from"] == [DEFAULT_SCRAPERS]
     assert _ports(metrics) == {GATEWAY_METRICS_PORT}
+
+
+def test_configured_scrapers_reach_both_policies() -> None:
+    scrapers = parse_metrics_scrapers(
+        '{"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["obs"]}]},'
+        ' "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}'
+    )
+    peer = {
+        "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["obs"]}]},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    engine = build_engine_network_policy("ns", "m", "shared", OWNER, scrapers)
+    gateway = build_gateway_network_policy("ns", "m", OWNER, scrapers)
+    assert engine["spec"]["ingress"][1]["from"] == [peer]
+    assert gateway["spec"]["ingress"][1]["from"] == [peer]
+    # Exists takes no values, and an empty selector stays empty (every namespace).
+    exists = parse_metrics_scrapers(
+        '{"namespaceSelector": {}, "podSelector": {"matchExpressions": [{"key": "s", "operator": "Exists"}]}}'
+    )
+    assert exists.peer() == {
+        "namespaceSelector": {},
+        "podSelector": {"matchExpressions": [{"key": "s", "operator": "Exists"}]},
+    }
+
+
+@pytest.mark.parametrize("text", [None, "", "  "])
+def test_no_configuration_is_the_default(text: str | None) -> None:
+    assert parse_metrics_scrapers(text) == MetricsScrapers()
+    assert MetricsScrapers().peer() == DEFAULT_SCRAPERS
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param('{"podSelector": {"matchLabel": {"a": "b"}}}', id="typo"),
+        pytest.param(
+            '{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Gt"}]}}', id="operator"
+        ),
+        pytest.param(
+            '{"podSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}', id="in-no-values"
+        ),
+        pytest.param(
+            '{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]}}',
+            id="exists-with-values",
+        ),
+        pytest.param('{"namespaces": ["monitoring"]}', id="unknown-field"),
+        pytest.param("monitoring", id="not-json"),
+    ],
+)
+def test_malformed_scrapers_are_refused(text: str) -> None:
+    with pytest.raises(ValidationError):
+        parse_metrics_scrapers(text)

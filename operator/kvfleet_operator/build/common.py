@@ -31,6 +31,9 @@ LMCACHE_PORT = config.LMCACHE_PORT
 LMCACHE_HTTP_PORT = config.LMCACHE_HTTP_PORT
 GATEWAY_PORT = config.GATEWAY_PORT
 GATEWAY_METRICS_PORT = config.GATEWAY_METRICS_PORT
+#: The engine container's one port for Prometheus (``PLUGIN_METRICS_PORT``: every series of the pod, no
+#: inference API); the PodMonitor scrapes it by this name.
+ENGINE_METRICS_PORT_NAME = "metrics"
 
 CONFIG_DIR = "/etc/kvfleet/config"
 MODEL_MOUNT = "/models"

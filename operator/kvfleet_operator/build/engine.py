@@ -4,11 +4,14 @@ Each replica is a pod whose one container runs ``kvfleet engine launch`` (the en
 vLLM's and LMCache's command lines from the pool's settings in the tenant table (so the operator and the
 local demo start them the same way) and supervises, in one process group:
 
-* the LMCache server (CPU tier L1, NVMe tier L2 on the replica's volume, ``IsolatedLRU`` on L2, HTTP API
-  for quotas on loopback);
-* vLLM's OpenAI server with the tenant-aware block-pool plugin enabled (per-tenant KV metrics on
-  ``kv-metrics``);
-* the quota sync, which keeps LMCache's per-tenant quotas in step with the table (``sync-metrics``).
+* the LMCache server (CPU tier L1, NVMe tier L2 on the replica's volume, ``IsolatedLRU`` on L2), its ZMQ
+  and HTTP ports (quotas, cache clear) bound to the pod's loopback;
+* vLLM's OpenAI server on ``http``, for the gateway, with the tenant-aware block-pool plugin enabled;
+* the quota sync, which keeps LMCache's per-tenant quotas in step with the table (its metrics on loopback).
+
+The pod's one port for Prometheus is ``metrics`` (the plugin's server): it re-exports vLLM's, LMCache's and
+the sync's series with the plugin's own and serves no inference API (``build/network.py`` admits scrapers
+there only, and the gateway only on ``http``).
 
 A StatefulSet (not a Deployment) gives replicas stable DNS names, which the gateway's prefix affinity
 hashes onto, and one NVMe volume per replica.
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvfleet_operator.build.common import (
     CONFIG_DIR,
+    ENGINE_METRICS_PORT_NAME,
     ENGINE_PORT,
     KEY_FILE_KEY,
     KEYS_DIR,
@@ -135,6 +139,8 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
             *_config_args(w.pool),
             "--model",
             w.model,
+            # vLLM's bind address (the gateway dials the pod IP); LMCache, the sync's metrics and the
+            # plugin's debug endpoint bind loopback whatever it says (the launcher).
             "--host",
             "0.0.0.0",
             "--port",
@@ -158,8 +164,7 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
         ],
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
-            {"name": "kv-metrics", "containerPort": PLUGIN_METRICS_PORT, "protocol": "TCP"},
-            {"name": "sync-metrics", "containerPort": LMCACHE_SYNC_METRICS_PORT, "protocol": "TCP"},
+            {"name": ENGINE_METRICS_PORT_NAME, "containerPort": PLUGIN_METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": {
             "requests": {"cpu": w.cpu_request, "memory": w.memory_request, w.gpu_resource: gpu},
@@ -255,15 +260,9 @@ def build_engine_service(w: PoolWorkload) -> Obj:
             "ports": [
                 {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
                 {
-                    "name": "kv-metrics",
+                    "name": ENGINE_METRICS_PORT_NAME,
                     "port": PLUGIN_METRICS_PORT,
-                    "targetPort": "kv-metrics",
-                    "protocol": "TCP",
-                },
-                {
-                    "name": "sync-metrics",
-                    "port": LMCACHE_SYNC_METRICS_PORT,
-                    "targetPort": "sync-metrics",
+                    "targetPort": ENGINE_METRICS_PORT_NAME,
                     "protocol": "TCP",
                 },
             ],

@@ -40,7 +40,11 @@ from kvfleet_operator.build.gateway import (
     gateway_endpoint,
 )
 from kvfleet_operator.build.monitoring import build_engine_pod_monitor, build_gateway_service_monitor
-from kvfleet_operator.build.network import build_engine_network_policy, build_gateway_network_policy
+from kvfleet_operator.build.network import (
+    MetricsScrapers,
+    build_engine_network_policy,
+    build_gateway_network_policy,
+)
 from kvfleet_operator.build.tenant_table import (
     PoolCapacity,
     PoolEndpoints,
@@ -183,10 +187,12 @@ def build_desired_children(
     keys: KeyFile,
     images: OperatorImages,
     monitoring: bool = False,
+    scrapers: MetricsScrapers | None = None,
 ) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, and dedicated pools.
 
     ``monitoring``: the cluster serves monitoring.coreos.com/v1, so add a ServiceMonitor and PodMonitor.
+    ``scrapers``: who the NetworkPolicies admit to the metrics ports (default: ``MetricsScrapers()``).
     """
     namespace, name = str(md.metadata["namespace"]), str(md.metadata["name"])
     shared = _shared_workload(md, images)
@@ -204,14 +210,14 @@ def build_desired_children(
         build_gateway_deployment(gateway),
         build_gateway_service(gateway),
         build_gateway_pdb(gateway),
-        build_gateway_network_policy(namespace, name, owner_of(md)),
+        build_gateway_network_policy(namespace, name, owner_of(md), scrapers),
     ]
     for w in workloads:
         children += [
             build_engine_statefulset(w),
             build_engine_service(w),
             build_engine_pdb(namespace, name, w.pool, w.owner),
-            build_engine_network_policy(namespace, name, w.pool, w.owner),
+            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers),
         ]
     if monitoring:
         children += [

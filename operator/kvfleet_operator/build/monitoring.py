@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfleet_operator.build.common import (
+    ENGINE_METRICS_PORT_NAME,
     LABEL_INSTANCE,
     LABEL_NAME,
     Obj,
@@ -33,7 +34,10 @@ def build_gateway_service_monitor(g: GatewayWorkload) -> Obj:
 
 
 def build_engine_pod_monitor(namespace: str, model_deployment: str, owner: Owner) -> Obj:
-    """All engine pods of the ModelDeployment (shared and dedicated pools): vLLM, plugin and sync metrics."""
+    """All engine pods of the ModelDeployment (shared and dedicated pools), on their one metrics port
+    (``ENGINE_METRICS_PORT_NAME``): it serves vLLM's, the plugin's, LMCache's and the quota sync's series
+    and no inference API. Never vLLM's own port: the engine's NetworkPolicy admits scrapers to the metrics
+    port only."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
@@ -49,8 +53,7 @@ def build_engine_pod_monitor(namespace: str, model_deployment: str, owner: Owner
                 }
             },
             "podMetricsEndpoints": [
-                {"port": port, "path": "/metrics", "interval": "15s"}
-                for port in ("http", "kv-metrics", "sync-metrics")
+                {"port": ENGINE_METRICS_PORT_NAME, "path": "/metrics", "interval": "15s"}
             ],
         },
     }

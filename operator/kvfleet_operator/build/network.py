@@ -1,13 +1,29 @@
-"""NetworkPolicies: tenants reach engines only through the gateway. Pure."""
+"""NetworkPolicies: tenants reach engines only through the gateway; metrics only from scrapers. Pure.
+
+Every engine pod is selected by its pool's policy, so it is isolated for ingress (default deny). Two rules
+admit what the pod must serve, and nothing else:
+
+* vLLM's OpenAI port (``ENGINE_PORT``) from this ModelDeployment's gateway pods, in its namespace only;
+* the plugin's metrics port (``PLUGIN_METRICS_PORT``, which serves no inference API: it re-exports vLLM's,
+  LMCache's and the quota sync's series, see ``kvfleet_runtime.engine.metrics_server``) from the
+  configured metrics scrapers (:class:`MetricsScrapers`).
+
+LMCache's ZMQ and HTTP ports, the sync's metrics and the plugin's debug endpoint are in no rule: they bind
+the pod's loopback (the launcher), which no other pod reaches and NetworkPolicy does not govern.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kvfleet_operator.api.common import CrdModel
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     LABEL_SCRAPER,
-    LMCACHE_SYNC_METRICS_PORT,
     PLUGIN_METRICS_PORT,
     Obj,
     Owner,
@@ -18,17 +34,90 @@ from kvfleet_operator.build.common import (
     selector_labels,
 )
 
+#: The label the API server sets on every namespace to its name; no tenant can put it on another namespace.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+#: Where the default scrapers run (kube-prometheus-stack's usual namespace).
+DEFAULT_MONITORING_NAMESPACE = "monitoring"
+
+
+class SelectorRequirement(CrdModel):
+    """One ``matchExpressions`` entry of a Kubernetes label selector."""
+
+    key: str = Field(min_length=1)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values_fit_the_operator(self) -> SelectorRequirement:
+        # As the API server checks it: In/NotIn need values, Exists/DoesNotExist take none.
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(
+                f"{self.operator} on {self.key!r}: In/NotIn need values, Exists/DoesNotExist none"
+            )
+        return self
+
+
+class LabelSelector(CrdModel):
+    """A Kubernetes label selector; ``{}`` selects everything."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[SelectorRequirement] = Field(default_factory=list)
+
+    def render(self) -> Obj:
+        out: Obj = {}
+        if self.match_labels:
+            out["matchLabels"] = dict(sorted(self.match_labels.items()))
+        if self.match_expressions:
+            out["matchExpressions"] = [
+                e.model_dump(by_alias=True, exclude_defaults=True) for e in self.match_expressions
+            ]
+        return out
+
+
+def _default_namespaces() -> LabelSelector:
+    return LabelSelector(match_labels={NAMESPACE_NAME_LABEL: DEFAULT_MONITORING_NAMESPACE})
+
+
+def _default_pods() -> LabelSelector:
+    return LabelSelector(match_labels={LABEL_SCRAPER: "true"})
+
+
+class MetricsScrapers(CrdModel):
+    """Who may scrape the engines' and gateways' metrics ports: pods matching ``podSelector`` in
+    namespaces matching ``namespaceSelector`` (both, one NetworkPolicy peer). Set by the chart
+    (``metricsScrapers``, passed as ``KVFLEET_METRICS_SCRAPERS``); the default is pods labelled
+    ``kvfleet.io/metrics-scraper=true`` in the namespace named ``monitoring``. The metrics name every
+    tenant; scrapers never reach an inference or LMCache port."""
+
+    namespace_selector: LabelSelector = Field(default_factory=_default_namespaces)
+    pod_selector: LabelSelector = Field(default_factory=_default_pods)
+
+    def peer(self) -> Obj:
+        return {
+            "namespaceSelector": self.namespace_selector.render(),
+            "podSelector": self.pod_selector.render(),
+        }
+
+
+def parse_metrics_scrapers(text: str | None) -> MetricsScrapers:
+    """The scrapers from their JSON (``KVFLEET_METRICS_SCRAPERS``); empty or ``None``: the default.
+
+    Raises ``pydantic.ValidationError`` for anything that is not a pair of label selectors."""
+    if not text or not text.strip():
+        return MetricsScrapers()
+    return MetricsScrapers.model_validate_json(text)
+
 
 def _ports(*ports: int) -> list[Obj]:
     return [{"protocol": "TCP", "port": port} for port in ports]
 
 
-def build_engine_network_policy(namespace: str, model_deployment: str, pool: str, owner: Owner) -> Obj:
-    """Engine pods accept the gateway (inference) and labelled scrapers (metrics); nothing else.
-
-    LMCache's ZMQ port is not listed: vLLM reaches it over the pod's loopback, which NetworkPolicy does
-    not govern. Its HTTP API (quotas, clear) is reachable only from within the pod as well.
-    """
+def build_engine_network_policy(
+    namespace: str, model_deployment: str, pool: str, owner: Owner, scrapers: MetricsScrapers | None = None
+) -> Obj:
+    """The pool's engine pods accept the gateway on the inference port and scrapers on the metrics port;
+    nothing else (see the module docstring)."""
+    scrapers = scrapers or MetricsScrapers()
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -43,26 +132,22 @@ def build_engine_network_policy(namespace: str, model_deployment: str, pool: str
             "policyTypes": ["Ingress"],
             "ingress": [
                 {
+                    # No namespaceSelector: only pods of the policy's own namespace.
                     "from": [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}],
                     "ports": _ports(ENGINE_PORT),
                 },
-                {
-                    "from": [
-                        {
-                            "namespaceSelector": {},
-                            "podSelector": {"matchLabels": {LABEL_SCRAPER: "true"}},
-                        }
-                    ],
-                    "ports": _ports(ENGINE_PORT, PLUGIN_METRICS_PORT, LMCACHE_SYNC_METRICS_PORT),
-                },
+                {"from": [scrapers.peer()], "ports": _ports(PLUGIN_METRICS_PORT)},
             ],
         },
     }
 
 
-def build_gateway_network_policy(namespace: str, model_deployment: str, owner: Owner) -> Obj:
+def build_gateway_network_policy(
+    namespace: str, model_deployment: str, owner: Owner, scrapers: MetricsScrapers | None = None
+) -> Obj:
     """The gateway is the front door: client traffic from anywhere on its API port; its metrics port
-    only from labelled scrapers (the metrics name every tenant)."""
+    only from the metrics scrapers (the metrics name every tenant)."""
+    scrapers = scrapers or MetricsScrapers()
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -74,12 +159,7 @@ def build_gateway_network_policy(namespace: str, model_deployment: str, owner: O
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"ports": _ports(GATEWAY_PORT)},
-                {
-                    "from": [
-                        {"namespaceSelector": {}, "podSelector": {"matchLabels": {LABEL_SCRAPER: "true"}}}
-                    ],
-                    "ports": _ports(GATEWAY_METRICS_PORT),
-                },
+                {"from": [scrapers.peer()], "ports": _ports(GATEWAY_METRICS_PORT)},
             ],
         },
     }

@@ -28,6 +28,7 @@ from kvfleet_operator import metrics
 from kvfleet_operator.api.common import GROUP, VERSION
 from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
 from kvfleet_operator.build.model_deployment import OperatorImages
+from kvfleet_operator.build.network import parse_metrics_scrapers
 from kvfleet_operator.handlers.reconcile import (
     OperatorConfig,
     load_salt_master,
@@ -48,6 +49,9 @@ OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 #: ``namespace/name`` of the operator's master-key Secret (created on first start).
 SALT_SECRET = os.environ.get("KVFLEET_SALT_SECRET", "kvfleet-system/kvfleet-salt-master")
 OWNED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+#: JSON ``{"namespaceSelector": ..., "podSelector": ...}``: who may scrape metrics ports (chart value
+#: ``metricsScrapers``); unset: ``build.network.MetricsScrapers()``.
+METRICS_SCRAPERS_ENV = "KVFLEET_METRICS_SCRAPERS"
 
 
 class Coalescer:
@@ -128,6 +132,8 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
             gateway=os.environ.get("KVFLEET_GATEWAY_IMAGE", DEFAULT_GATEWAY_IMAGE),
         ),
         monitoring=monitoring,
+        # A malformed value stops the start-up with pydantic's message: never a policy nobody asked for.
+        metrics_scrapers=parse_metrics_scrapers(os.environ.get(METRICS_SCRAPERS_ENV)),
     )
     memo["kvfleet"] = OperatorState(client, config)
 

@@ -40,6 +40,7 @@ from kvfleet_operator.build.keys import (
     resolve_api_key_hashes,
 )
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children, compute_endpoint
+from kvfleet_operator.build.network import MetricsScrapers
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admit_tenants
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, KubeClient
@@ -61,6 +62,8 @@ class OperatorConfig:
     salt_master: bytes
     #: Whether the cluster serves monitoring.coreos.com/v1 (checked once at start-up).
     monitoring: bool = False
+    #: Who the NetworkPolicies admit to the metrics ports (chart value ``metricsScrapers``).
+    metrics_scrapers: MetricsScrapers = field(default_factory=MetricsScrapers)
 
 
 @dataclass
@@ -200,7 +203,14 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
     admitted = {d.name for d in c.decisions if d.admitted}
     keys = build_key_file(derive_salt_key_hex(c.config.salt_master, c.md), steps.key_hashes(c.keys), admitted)
     c.desired = build_desired_children(
-        c.md, c.capacity, c.tenants, c.decisions, keys, c.config.images, c.config.monitoring
+        c.md,
+        c.capacity,
+        c.tenants,
+        c.decisions,
+        keys,
+        c.config.images,
+        c.config.monitoring,
+        c.config.metrics_scrapers,
     )
 
 
