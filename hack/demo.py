@@ -442,9 +442,9 @@ def run(keep: bool, rounds: int, report_path: Path | None) -> int:
         dp = start_data_plane(stack, plane)
         targets = {
             "gateway": [f"127.0.0.1:{dp.ports['gateway_metrics']}"],
-            "vllm": [f"127.0.0.1:{dp.ports['vllm']}"],
+            # The engine's one metrics port, as in a pod: it re-exports vLLM's, LMCache's and the quota
+            # sync's series (scraping those too would count them twice).
             "kvfleet-engine": [f"127.0.0.1:{dp.ports['plugin']}"],
-            "lmcache-sync": [f"127.0.0.1:{dp.ports['sync']}"],
             "operator": [f"127.0.0.1:{operator_metrics}"],
         }
         stack.prometheus = start_prometheus(build_scrape_config(targets, interval="2s"))
