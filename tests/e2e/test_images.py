@@ -6,6 +6,7 @@ Needs podman and the images of the current tree (``make images``; hack/provision
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -108,3 +109,29 @@ def test_engine_image_keeps_torch_and_loads_the_plugin(built: dict[str, str]) ->
     assert torch_version.startswith("2.13.0"), out.stdout
     assert (vllm_version, lmcache_version) == ("0.32.0", "0.5.6")
     assert "kvfleet_runtime.engine.vllm_plugin:register" in plugins
+
+
+@pytest.mark.parametrize("name", ["kvfleet", "engine"])
+def test_images_hold_exactly_the_trees_code(built: dict[str, str], name: str) -> None:
+    """Every kvfleet module in the image is byte-identical to the tree's (a stale layer would not be)."""
+    script = (
+        "import hashlib, pathlib, kvfleet_runtime, kvfleet_operator\n"
+        "for pkg in (kvfleet_runtime, kvfleet_operator):\n"
+        "    root = pathlib.Path(pkg.__file__).parent\n"
+        "    for f in sorted(root.rglob('*.py')):\n"
+        "        digest = hashlib.sha256(f.read_bytes()).hexdigest()\n"
+        "        print(pkg.__name__ + '/' + str(f.relative_to(root)), digest)\n"
+    )
+    out = subprocess.run(
+        [*RUN, "--entrypoint", "python3", built[name], "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    in_image = dict(line.split(" ") for line in out.stdout.splitlines())
+    in_tree = {
+        f"{pkg}/{path.relative_to(REPO / top / pkg)}": hashlib.sha256(path.read_bytes()).hexdigest()
+        for top, pkg in (("runtime", "kvfleet_runtime"), ("operator", "kvfleet_operator"))
+        for path in sorted((REPO / top / pkg).rglob("*.py"))
+    }
+    assert in_image == in_tree
