@@ -33,7 +33,7 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf  # noqa: PLC0415
 
     from kvfleet_operator import metrics  # noqa: PLC0415
-    from kvfleet_operator.handlers import kopf_handlers  # noqa: F401, PLC0415
+    from kvfleet_operator.handlers import kopf_handlers  # noqa: PLC0415
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:  # kopf logs every handler run at INFO: keep the log for what changed
@@ -45,5 +45,7 @@ def run_operator(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=f"http://{args.probe_address}/healthz",
+        # The reconcile lists Tenants across exactly these namespaces (dedicated GPU group ownership).
+        memo=kopf.Memo({kopf_handlers.MEMO_WATCH_NAMESPACES: tuple(args.namespace)}),
     )
     return 0

@@ -106,7 +106,8 @@ def running(
     namespace = create_namespace(
         full_cluster, "op", labels={"pod-security.kubernetes.io/enforce": "restricted"}
     )
-    provision_local_nvme(full_cluster, namespace)
+    # The drift test deletes the engine StatefulSet, and its volume claims go with it: enough local PVs.
+    provision_local_nvme(full_cluster, namespace, per_node=16)
     create(full_cluster, load_example("modeldeployment-qwen72b.yaml", namespace))
     for name in ("tenant-saas.yaml", "tenant-startup-a.yaml", "tenant-startup-b.yaml"):
         create(full_cluster, load_example(name, namespace))

@@ -51,7 +51,11 @@ async def _with_client(plane: ControlPlane, fn: Any) -> Any:
 def reconcile(
     plane: ControlPlane, namespace: str, name: str, config: OperatorConfig = CONFIG
 ) -> tuple[Any, int]:
-    """One reconcile; returns its result and the number of mutating API calls it made."""
+    """One reconcile; returns its result and the number of mutating API calls it made.
+
+    The operator watches ``namespace`` only (unless ``config`` says otherwise): dedicated GPU groups are
+    owned across the watched namespaces, and other tests' tenants may still be going away elsewhere."""
+    config = dataclasses.replace(config, watch_namespaces=config.watch_namespaces or (namespace,))
 
     async def go(client: KubeClient) -> tuple[Any, int]:
         result = await reconcile_model_deployment(client, config, namespace, name)
@@ -103,8 +107,11 @@ def owned_children(plane: ControlPlane, namespace: str, md: str) -> set[tuple[st
     return found
 
 
-def provision_local_nvme(plane: ControlPlane, namespace: str) -> None:
-    """What a platform team provides for `storageClassName: local-nvme`: static local PVs per GPU node."""
+def provision_local_nvme(plane: ControlPlane, namespace: str, per_node: int = 2) -> None:
+    """What a platform team provides for `storageClassName: local-nvme`: static local PVs per GPU node.
+
+    Nothing here recycles a released PV (a real local provisioner wipes and re-offers it): a test that
+    deletes engine StatefulSets, whose claims go with them, needs more than ``per_node`` 2."""
     sc = {
         "apiVersion": "storage.k8s.io/v1",
         "kind": "StorageClass",
@@ -114,7 +121,7 @@ def provision_local_nvme(plane: ControlPlane, namespace: str) -> None:
     }
     plane.request("POST", "/apis/storage.k8s.io/v1/storageclasses", sc)
     for node in plane.layout.nodes:
-        for i in range(2):
+        for i in range(per_node):
             create(
                 plane,
                 {
@@ -160,7 +167,11 @@ def examples_ns(full_cluster: ControlPlane) -> Iterator[str]:
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": "bank-api-key", "namespace": namespace},
+            "metadata": {
+                "name": "bank-api-key",
+                "namespace": namespace,
+                "labels": {"kvfleet.io/tenant": "bank"},
+            },
             "data": {"api-key": base64.b64encode(BANK_KEY.encode()).decode()},
         },
     )

@@ -108,8 +108,22 @@ def _mount(sts: dict[str, Any], name: str) -> Any:
                 "spec.volumeClaimTemplates[0].spec.storageClassName": "local-nvme",
                 "spec.volumeClaimTemplates[0].spec.resources.requests.storage": "2Ti",
                 "spec.volumeClaimTemplates[0].spec.accessModes": ["ReadWriteOnce"],
+                "spec.persistentVolumeClaimRetentionPolicy": {
+                    "whenDeleted": "Delete",
+                    "whenScaled": "Retain",
+                },
             },
-            id="gpu-pool-nvme-from-a-storage-class",
+            id="gpu-pool-nvme-from-a-storage-class-deleted-with-the-pool",
+        ),
+        pytest.param(
+            dataclasses.replace(GPU_POOL, excluded_node_labels=("kvfleet.io/gpu-group",)),
+            {
+                f"{POD}.tolerations": [GPU_TOLERATION],
+                NODE_TERMS: [
+                    {"matchExpressions": [{"key": "kvfleet.io/gpu-group", "operator": "DoesNotExist"}]}
+                ],
+            },
+            id="excluded-label-is-a-required-does-not-exist",
         ),
         pytest.param(
             dataclasses.replace(GPU_POOL, nvme=NvmeVolume(size="2Ti")),
@@ -132,6 +146,7 @@ def _mount(sts: dict[str, Any], name: str) -> Any:
                     }
                 ],
                 "spec.volumeClaimTemplates": MISSING,
+                "spec.persistentVolumeClaimRetentionPolicy": MISSING,
             },
             id="dedicated-pool-owned-by-its-tenant-and-pinned-to-its-group",
         ),
@@ -205,8 +220,17 @@ def test_node_selector_is_sorted_so_the_object_is_byte_stable() -> None:
         ),
         pytest.param(
             DEDICATED_POOL,
-            {"--pool": "dedicated-bank", "--nvme-dir": NVME_MOUNT, "--model": "Qwen/Qwen2.5-72B-Instruct"},
-            id="dedicated-pool-serves-its-own-pool-with-nvme",
+            {
+                "--pool": "dedicated-bank",
+                "--nvme-dir": f"{NVME_MOUNT}/ns/$(KVFLEET_POD_NAME)",
+                "--model": "Qwen/Qwen2.5-72B-Instruct",
+            },
+            id="dedicated-pool-on-a-host-path-writes-in-its-own-per-replica-folder",
+        ),
+        pytest.param(
+            GPU_POOL,
+            {"--pool": "shared", "--nvme-dir": NVME_MOUNT},
+            id="a-replica-volume-is-its-own-nvme-folder",
         ),
     ],
 )
@@ -228,9 +252,9 @@ def test_launch_command(pool: PoolWorkload, flags: dict[str, Any]) -> None:
         ),
         pytest.param(
             DEDICATED_POOL,
-            {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}},
+            {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
             {"name": "nvme", "mountPath": NVME_MOUNT},
-            id="nvme-host-path",
+            id="nvme-host-path-must-exist-the-kubelet-would-create-it-for-root",
         ),
         pytest.param(
             GPU_POOL, MISSING, {"name": "nvme", "mountPath": NVME_MOUNT}, id="nvme-pvc-is-a-claim-template"

@@ -51,6 +51,12 @@ def _qwen(engine_image: str | None = None) -> ModelDeployment:
     return ModelDeployment.model_validate(doc)
 
 
+def _qwen_tolerating(*tolerations: dict[str, Any]) -> ModelDeployment:
+    doc = _doc("modeldeployment-qwen72b.yaml", uid="md-uid")
+    doc["spec"]["pool"]["tolerations"] = list(tolerations)
+    return ModelDeployment.model_validate(doc)
+
+
 def _tiny() -> ModelDeployment:
     return ModelDeployment.model_validate(_doc("local/modeldeployment-tiny.yaml", uid="md-uid"))
 
@@ -148,12 +154,8 @@ def test_children(tenants: list[Tenant], monitoring: bool, expected: set[tuple[s
                 f"{POD}.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
                 f"{POD}.tolerations": [
                     GPU_TOLERATION,
-                    {
-                        "key": "kvfleet.io/gpu-group",
-                        "operator": "Equal",
-                        "value": "bank-h200",
-                        "effect": "NoSchedule",
-                    },
+                    # No effect: the group's NoSchedule and NoExecute taints alike.
+                    {"key": "kvfleet.io/gpu-group", "operator": "Equal", "value": "bank-h200"},
                 ],
                 NODE_TERMS: [
                     {
@@ -201,6 +203,25 @@ def test_child_fields(key: tuple[str, str], expected: dict[str, Any]) -> None:
             _qwen(engine_image="engine:pinned"),
             {f"{POD}.containers[0].image": "engine:pinned"},
             id="engine-image-override",
+        ),
+        pytest.param(
+            _qwen_tolerating({"operator": "Exists"}),
+            {
+                f"{POD}.tolerations": [{"key": "", "operator": "Exists", "value": ""}],
+                NODE_TERMS: [
+                    {"matchExpressions": [{"key": "kvfleet.io/gpu-group", "operator": "DoesNotExist"}]}
+                ],
+            },
+            id="wildcard-toleration-never-reaches-a-dedicated-gpu-group",
+        ),
+        pytest.param(
+            _qwen_tolerating({"operator": "Exists", "effect": "NoSchedule"}),
+            {
+                NODE_TERMS: [
+                    {"matchExpressions": [{"key": "kvfleet.io/gpu-group", "operator": "DoesNotExist"}]}
+                ]
+            },
+            id="wildcard-of-one-effect-too",
         ),
     ],
 )

@@ -17,6 +17,9 @@ from pydantic.alias_generators import to_camel
 GROUP = "kvfleet.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
+#: Node label (and taint key) of a dedicated GPU group; the value is the group's name. Nodes carrying it
+#: belong to one dedicated Tenant: shared pools never run there.
+GPU_GROUP_LABEL = "kvfleet.io/gpu-group"
 
 #: Kubernetes object names (RFC 1123 subdomain) and label-like names (RFC 1123 label).
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from kvfleet_operator.api.common import API_VERSION
 from kvfleet_operator.api.modeldeployment import KIND_MODEL_DEPLOYMENT, ModelDeployment
-from kvfleet_operator.api.tenant import KIND_TENANT, Tenant, check_tenant_transition
+from kvfleet_operator.api.tenant import KIND_TENANT, ImmutableFieldError, Tenant, check_tenant_transition
 
 ApiObject = ModelDeployment | Tenant
 
@@ -67,6 +67,6 @@ def parse_manifest(manifest: Mapping[str, Any], old: Mapping[str, Any] | None = 
     if isinstance(parsed, Tenant) and isinstance(previous, Tenant):
         try:
             check_tenant_transition(previous, parsed)
-        except ValueError as error:
-            raise ManifestError([f"spec.isolation: {error}"]) from error
+        except ImmutableFieldError as error:
+            raise ManifestError([f"{error.field}: {error}"]) from error
     return parsed

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, model_validator
 
 from kvfleet_operator.api.common import (
+    GPU_GROUP_LABEL,
     CelRule,
     Conditions,
     CrdModel,
@@ -409,7 +410,8 @@ class NvmeTier(CrdModel):
         Field(
             max_length=253,
             pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-            description="StorageClass of the per-replica volume (local NVMe), e.g. local-nvme.",
+            description="StorageClass of the per-replica volume (local NVMe), e.g. local-nvme. The volumes "
+            "are deleted with their pool: no KV outlives it.",
         ),
     ] = None
     host_path: Annotated[
@@ -417,7 +419,11 @@ class NvmeTier(CrdModel):
         Field(
             max_length=1024,
             pattern=r"^/.*$",
-            description="Absolute node path to an NVMe mount, e.g. /mnt/nvme.",
+            description="Absolute node path to an NVMe mount, e.g. /mnt/nvme; it must exist and be writable "
+            "by uid 10001. Each replica writes under <hostPath>/<namespace>/<pod>. A hostPath volume needs "
+            "the privileged Pod Security level (baseline and restricted refuse it), and its files stay on "
+            "the node when the pool or tenant is deleted: prefer storageClassName, whose volumes go with "
+            "the pool.",
         ),
     ] = None
 
@@ -506,12 +512,28 @@ RULE_CPU_KV_SPACE = CelRule(
     message="spec.pool.cpuKvCacheSpace applies only to CPU engines: set gpusPerReplica: 0 or remove it",
     field_path=".cpuKvCacheSpace",
 )
+RULE_POOL_SELECTS_NO_GPU_GROUP = CelRule(
+    rule=f"!has(self.nodeSelector) || !('{GPU_GROUP_LABEL}' in self.nodeSelector)",
+    message=f"spec.pool.nodeSelector may not name {GPU_GROUP_LABEL}: a dedicated GPU group belongs to one "
+    "Tenant (isolation: dedicated, spec.dedicated.gpuGroup)",
+    field_path=".nodeSelector",
+)
+RULE_POOL_TOLERATES_NO_GPU_GROUP = CelRule(
+    rule=f"!has(self.tolerations) || self.tolerations.all(t, !has(t.key) || t.key != '{GPU_GROUP_LABEL}')",
+    message=f"spec.pool.tolerations may not tolerate {GPU_GROUP_LABEL}: a dedicated GPU group belongs to one "
+    "Tenant (isolation: dedicated, spec.dedicated.gpuGroup)",
+    field_path=".tolerations",
+)
 
 
 class PoolSpec(CrdModel):
     """The engine replicas: how many, on which nodes, with which GPUs."""
 
-    model_config = {"json_schema_extra": cel_rules_schema(RULE_CPU_KV_SPACE)}
+    model_config = {
+        "json_schema_extra": cel_rules_schema(
+            RULE_CPU_KV_SPACE, RULE_POOL_SELECTS_NO_GPU_GROUP, RULE_POOL_TOLERATES_NO_GPU_GROUP
+        )
+    }
 
     replicas: Annotated[
         int, Field(ge=0, le=1024, description="Engine replicas in the shared pool (0 stops the pool).")
@@ -538,15 +560,21 @@ class PoolSpec(CrdModel):
         list[Toleration],
         Field(
             max_length=32,
-            description="Tolerations for tainted GPU nodes.",
+            description="Tolerations for tainted GPU nodes. A wildcard (operator Exists, no key) never "
+            "reaches a dedicated GPU group: the engine pods then also require nodes without "
+            f"{GPU_GROUP_LABEL}.",
             json_schema_extra={"x-kubernetes-list-type": "atomic"},
         ),
     ] = []
 
     @model_validator(mode="after")
-    def _cpu_space(self) -> Self:
+    def _consistent(self) -> Self:
         if self.cpu_kv_cache_space is not None and self.gpus_per_replica != 0:
             raise ValueError(RULE_CPU_KV_SPACE.message)
+        if GPU_GROUP_LABEL in self.node_selector:
+            raise ValueError(RULE_POOL_SELECTS_NO_GPU_GROUP.message)
+        if any(t.key == GPU_GROUP_LABEL for t in self.tolerations):
+            raise ValueError(RULE_POOL_TOLERATES_NO_GPU_GROUP.message)
         return self
 
 

@@ -57,6 +57,11 @@ API_KEY_SHARED: Final = "ApiKeyShared"
 gateway could not tell them apart, so the key is refused for both and neither is served with it. Give one
 of them a new key (rotation recipe in docs/operations.md)."""
 
+GPU_GROUP_IN_USE: Final = "GpuGroupInUse"
+"""Tenant: ``spec.dedicated.gpuGroup`` names a GPU group that another Tenant owns (the oldest Tenant naming
+it, in any watched namespace; the message names it). A group serves one tenant, so nothing of this one is
+applied. Delete it and recreate it with another group (the field is immutable), or delete the owner."""
+
 MODEL_DEPLOYMENT_NOT_FOUND: Final = "ModelDeploymentNotFound"
 """Tenant: ``spec.modelDeploymentRef`` names no ModelDeployment in the tenant's namespace. Fix the name
 or create the ModelDeployment."""
@@ -85,6 +90,7 @@ CONDITION_REASONS: Final = (
     API_KEY_SECRET_NOT_LABELLED,
     API_KEY_TOO_WEAK,
     API_KEY_SHARED,
+    GPU_GROUP_IN_USE,
     MODEL_DEPLOYMENT_NOT_FOUND,
     MODEL_DEPLOYMENT_DELETING,
     CAPACITY_UNKNOWN,

@@ -1,8 +1,10 @@
 """``Tenant`` (kvfleet.io/v1alpha1, short name ``tn``): who may use a ModelDeployment, and on what terms.
 
-Isolation is immutable once set (a transition rule): moving a tenant between a shared pool and its own
-GPU group would leave KV behind in the old place, so the tenant must be deleted and recreated instead.
-:func:`check_tenant_transition` is the pydantic-side mirror of that rule.
+Isolation and a dedicated tenant's GPU group are immutable once set (transition rules): moving a tenant
+between a shared pool and its own GPU group, or between groups, would leave KV behind in the old place,
+so the tenant must be deleted and recreated instead. :func:`check_tenant_transition` is the pydantic-side
+mirror of those rules. A GPU group belongs to one Tenant (the oldest claimant; ``build/gpu_groups.py``);
+an immutable group is what keeps that ownership stable: a tenant claims a group only when it is created.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, model_validator
 
 from kvfleet_operator.api.common import (
+    GPU_GROUP_LABEL,
     CelRule,
     Conditions,
     CrdModel,
@@ -77,12 +80,22 @@ class ApiKeySecretRef(CrdModel):
     ] = "api-key"
 
 
+RULE_GPU_GROUP_IMMUTABLE = CelRule(
+    rule="self == oldSelf",
+    message="spec.dedicated.gpuGroup is immutable: delete and recreate the Tenant to move it to another "
+    "GPU group",
+    transition=True,
+)
+
+
 class DedicatedSettings(CrdModel):
     """Where a dedicated tenant's own engine pods run."""
 
     gpu_group: LabelName = Field(
-        description="GPU node group: nodes labelled kvfleet.io/gpu-group=<this> and tainted for it, "
-        "e.g. bank-h200."
+        description=f"GPU node group: nodes labelled {GPU_GROUP_LABEL}=<this> and tainted for it, e.g. "
+        "bank-h200. A group belongs to one Tenant, the oldest that names it; a later claimant is refused "
+        "(GpuGroupInUse) until the owner is deleted. Immutable.",
+        json_schema_extra=cel_rules_schema(RULE_GPU_GROUP_IMMUTABLE),
     )
     replicas: Annotated[
         int, Field(ge=1, le=1024, description="Engine replicas of the dedicated pool (at least 1).")
@@ -257,7 +270,18 @@ class Tenant(CrdModel):
     status: TenantStatus | None = Field(default=None, description="Observed state.")
 
 
+class ImmutableFieldError(ValueError):
+    """An update changes a field that is immutable once set; ``field`` is its wire path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_tenant_transition(old: Tenant, new: Tenant) -> None:
-    """Raise ``ValueError`` (naming spec.isolation) when an update changes the isolation level."""
+    """Raise :class:`ImmutableFieldError` when an update changes the isolation level or the GPU group."""
     if old.spec.isolation != new.spec.isolation:
-        raise ValueError(RULE_ISOLATION_IMMUTABLE.message)
+        raise ImmutableFieldError("spec.isolation", RULE_ISOLATION_IMMUTABLE.message)
+    before, after = old.spec.dedicated, new.spec.dedicated
+    if before is not None and after is not None and before.gpu_group != after.gpu_group:
+        raise ImmutableFieldError("spec.dedicated.gpuGroup", RULE_GPU_GROUP_IMMUTABLE.message)

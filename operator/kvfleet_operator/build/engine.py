@@ -14,7 +14,10 @@ the sync's series with the plugin's own and serves no inference API (``build/net
 there only, and the gateway only on ``http``).
 
 A StatefulSet (not a Deployment) gives replicas stable DNS names, which the gateway's prefix affinity
-hashes onto, and one NVMe volume per replica.
+hashes onto, and one NVMe volume per replica. Those volumes are deleted with the StatefulSet (so with the
+ModelDeployment, or with the Tenant that owns a dedicated pool): cached KV never outlives its pool. A
+host-path NVMe tier cannot be cleaned that way; each replica writes under its own
+``<hostPath>/<namespace>/<pod>`` so that pools and replicas sharing a node never share files.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from kvfleet_operator.build.common import (
     restricted_pod_security,
     selector_labels,
 )
+
+#: The pod name, from the downward API (the NVMe folder on a host path is named after it).
+POD_NAME_ENV = "KVFLEET_POD_NAME"
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,9 @@ class PoolWorkload:
     tolerations: tuple[Obj, ...] = ()
     #: Labels a node must carry (dedicated GPU groups): a required node affinity, not a preference.
     required_node_labels: dict[str, str] = field(default_factory=dict)
+    #: Label keys a node must not carry (a shared pool whose tolerations would admit a dedicated group's
+    #: taint): a required node affinity ``DoesNotExist``.
+    excluded_node_labels: tuple[str, ...] = ()
     model_volume: ModelVolume | None = None
     nvme: NvmeVolume | None = None
     shm_size: str = "8Gi"
@@ -108,12 +117,13 @@ def _config_mounts() -> list[Obj]:
 
 
 def _affinity(w: PoolWorkload) -> Obj | None:
-    if not w.required_node_labels:
+    if not w.required_node_labels and not w.excluded_node_labels:
         return None
-    expressions = [
+    expressions: list[Obj] = [
         {"key": key, "operator": "In", "values": [value]}
         for key, value in sorted(w.required_node_labels.items())
     ]
+    expressions += [{"key": key, "operator": "DoesNotExist"} for key in sorted(w.excluded_node_labels)]
     return {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -121,6 +131,14 @@ def _affinity(w: PoolWorkload) -> Obj | None:
             }
         }
     }
+
+
+def _nvme_dir(w: PoolWorkload) -> str:
+    """The replica's NVMe folder. On a host path, ``<namespace>/<pod>`` below it (the container expands
+    ``$(KVFLEET_POD_NAME)``): two pools or two replicas on one node never share LMCache's files."""
+    if w.nvme is not None and w.nvme.host_path is not None:
+        return f"{NVME_MOUNT}/{w.namespace}/$({POD_NAME_ENV})"
+    return NVME_MOUNT
 
 
 def build_engine_statefulset(w: PoolWorkload) -> Obj:
@@ -155,12 +173,12 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
             str(PLUGIN_METRICS_PORT),
             "--state-dir",
             "/tmp/kvfleet",
-            *(["--nvme-dir", NVME_MOUNT] if w.nvme is not None else []),
+            *(["--nvme-dir", _nvme_dir(w)] if w.nvme is not None else []),
         ],
         "env": [
             {"name": "HOME", "value": "/tmp"},
             {"name": "VLLM_PLUGINS", "value": "kvfleet"},
-            {"name": "KVFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ],
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
@@ -202,9 +220,9 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
     if w.nvme is not None:
         engine["volumeMounts"].append({"name": "nvme", "mountPath": NVME_MOUNT})
         if w.nvme.host_path is not None:
-            volumes.append(
-                {"name": "nvme", "hostPath": {"path": w.nvme.host_path, "type": "DirectoryOrCreate"}}
-            )
+            # Directory, not DirectoryOrCreate: a folder the kubelet creates is root's, and the engine runs
+            # as uid 10001. The platform team provides it, writable; LMCache creates the replica's folder.
+            volumes.append({"name": "nvme", "hostPath": {"path": w.nvme.host_path, "type": "Directory"}})
         else:
             pvc_spec: Obj = {
                 "accessModes": ["ReadWriteOnce"],
@@ -238,6 +256,10 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
     }
     if claim_templates:
         spec["volumeClaimTemplates"] = claim_templates
+        # The replicas' NVMe volumes (cached KV) go with the StatefulSet. A replica scaled away keeps its
+        # volume until the pool goes (Retain): deleting it would block a quick scale back up while the
+        # claim terminates (seen when drift repair restores replicas), and it holds only this pool's KV.
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

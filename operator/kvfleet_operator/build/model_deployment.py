@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvfleet_operator.api import ModelDeployment, Tenant
+from kvfleet_operator.api.common import GPU_GROUP_LABEL
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     KEY_FILE_KEY,
@@ -39,6 +40,7 @@ from kvfleet_operator.build.gateway import (
     build_gateway_service,
     gateway_endpoint,
 )
+from kvfleet_operator.build.gpu_groups import tolerates_gpu_groups
 from kvfleet_operator.build.monitoring import build_engine_pod_monitor, build_gateway_service_monitor
 from kvfleet_operator.build.network import (
     MetricsScrapers,
@@ -55,7 +57,6 @@ from kvfleet_operator.build.tenant_table import (
 from kvfleet_runtime.config import KeyFile, TenantTable, dump_json
 
 GPU_POOL_LABEL = "kvfleet.io/gpu-pool"
-GPU_GROUP_LABEL = "kvfleet.io/gpu-group"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
@@ -75,6 +76,9 @@ def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkloa
         node_selector.setdefault(GPU_POOL_LABEL, SHARED_POOL)
         if spec.pool.gpu_type:
             node_selector.setdefault(GPU_PRODUCT_LABEL, spec.pool.gpu_type)
+    tolerations = tuple(
+        t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in spec.pool.tolerations
+    )
     workload = PoolWorkload(
         namespace=str(meta["namespace"]),
         model_deployment=str(meta["name"]),
@@ -85,9 +89,9 @@ def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkloa
         model=model_path(md),
         gpus_per_replica=spec.pool.gpus_per_replica,
         node_selector=node_selector,
-        tolerations=tuple(
-            t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in spec.pool.tolerations
-        ),
+        tolerations=tolerations,
+        # A wildcard toleration would admit a dedicated group's taint: the shared pool stays off the groups.
+        excluded_node_labels=(GPU_GROUP_LABEL,) if tolerates_gpu_groups(tolerations) else (),
         model_volume=ModelVolume(spec.model.source.pvc.claim_name) if spec.model.source.pvc else None,
         nvme=_nvme(md),
     )
@@ -124,10 +128,9 @@ def _dedicated_workload(
         model=shared.model,
         gpus_per_replica=shared.gpus_per_replica,
         node_selector=node_selector,
-        tolerations=(
-            *shared.tolerations,
-            {"key": GPU_GROUP_LABEL, "operator": "Equal", "value": group, "effect": "NoSchedule"},
-        ),
+        # No effect: tolerates the group's NoSchedule and NoExecute taints alike (NoExecute also keeps off
+        # a pod created with spec.nodeName, which skips the scheduler).
+        tolerations=(*shared.tolerations, {"key": GPU_GROUP_LABEL, "operator": "Equal", "value": group}),
         required_node_labels={GPU_GROUP_LABEL: group},
         model_volume=shared.model_volume,
         nvme=shared.nvme,

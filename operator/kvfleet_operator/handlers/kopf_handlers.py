@@ -49,6 +49,8 @@ OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 #: ``namespace/name`` of the operator's master-key Secret (created on first start).
 SALT_SECRET = os.environ.get("KVFLEET_SALT_SECRET", "kvfleet-system/kvfleet-salt-master")
 OWNED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+#: Memo key of the namespaces the operator watches (``kvfleet operator --namespace``; empty: all).
+MEMO_WATCH_NAMESPACES = "kvfleet_watch_namespaces"
 #: JSON ``{"namespaceSelector": ..., "podSelector": ...}``: who may scrape metrics ports (chart value
 #: ``metricsScrapers``); unset: ``build.network.MetricsScrapers()``.
 METRICS_SCRAPERS_ENV = "KVFLEET_METRICS_SCRAPERS"
@@ -108,6 +110,9 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.peering.standalone = True  # one replica, Recreate strategy: no peering objects needed
+    # No observation of CRDs and namespaces: the watched namespaces are given by name and the CRDs come
+    # with the chart, so the operator needs no cluster-scoped read at all (least privilege).
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
@@ -132,6 +137,7 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
             gateway=os.environ.get("KVFLEET_GATEWAY_IMAGE", DEFAULT_GATEWAY_IMAGE),
         ),
         monitoring=monitoring,
+        watch_namespaces=tuple(memo.get(MEMO_WATCH_NAMESPACES) or ()),
         # A malformed value stops the start-up with pydantic's message: never a policy nobody asked for.
         metrics_scrapers=parse_metrics_scrapers(os.environ.get(METRICS_SCRAPERS_ENV)),
     )

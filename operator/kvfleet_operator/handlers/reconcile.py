@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvfleet_operator import metrics
-from kvfleet_operator.api import ModelDeployment, Tenant
-from kvfleet_operator.build.common import SHARED_POOL, owned_selector
+from kvfleet_operator.api import ModelDeployment, Tenant, reasons
+from kvfleet_operator.build.common import LABEL_TENANT, SHARED_POOL, owned_selector
+from kvfleet_operator.build.gpu_groups import gpu_group_claims, gpu_group_owners, refused_claimants
 from kvfleet_operator.build.keys import (
     KeyResolution,
     build_api_key_secret,
@@ -62,6 +63,8 @@ class OperatorConfig:
     salt_master: bytes
     #: Whether the cluster serves monitoring.coreos.com/v1 (checked once at start-up).
     monitoring: bool = False
+    #: The namespaces the operator watches; empty: all. Dedicated GPU groups are owned across them.
+    watch_namespaces: tuple[str, ...] = ()
     #: Who the NetworkPolicies admit to the metrics ports (chart value ``metricsScrapers``).
     metrics_scrapers: MetricsScrapers = field(default_factory=MetricsScrapers)
 
@@ -137,14 +140,31 @@ async def parse_model_deployment(client: KubeClient, c: Cycle) -> None:
 
 
 async def read_secrets(client: KubeClient, c: Cycle) -> None:
-    # One LIST instead of a GET per tenant: a ModelDeployment may have hundreds of tenants.
+    """The namespace's key Secrets: only those labelled ``kvfleet.io/tenant`` (a server-side selector, so
+    the operator never reads another Secret's data; RBAC cannot say so, the selector does). One LIST
+    instead of a GET per tenant: a ModelDeployment may have hundreds of tenants."""
     if c.raw_tenants:
-        c.secrets = {str(s["metadata"]["name"]): s for s in await client.list(kinds.SECRET, c.namespace)}
+        listed = await client.list(kinds.SECRET, c.namespace, label_selector=LABEL_TENANT)
+        c.secrets = {str(s["metadata"]["name"]): s for s in listed}
 
 
 async def parse_tenants(client: KubeClient, c: Cycle) -> None:
     c.tenants, problems = steps.parse_tenants(c.raw_tenants)
     c.tenant_problems |= problems
+
+
+async def claim_gpu_groups(client: KubeClient, c: Cycle) -> None:
+    """A dedicated GPU group serves one Tenant, the oldest naming it in any watched namespace
+    (``build/gpu_groups.py``): any other claimant is left out, with ``GpuGroupInUse`` naming the owner."""
+    if not any(t.spec.dedicated for t in c.tenants):
+        return  # only a ModelDeployment with a dedicated tenant needs the cluster-wide view
+    listed: list[Obj] = []
+    for namespace in c.config.watch_namespaces or (None,):
+        listed += await client.list(kinds.TENANT, namespace)
+    owners = gpu_group_owners(gpu_group_claims([*listed, *c.raw_tenants.values()]))
+    refused = refused_claimants(c.tenants, owners)
+    c.tenants = [t for t in c.tenants if str(t.metadata["name"]) not in refused]
+    c.tenant_problems |= {name: st.problem(reasons.GPU_GROUP_IN_USE, why) for name, why in refused.items()}
 
 
 async def resolve_keys(client: KubeClient, c: Cycle) -> None:
@@ -278,6 +298,7 @@ STEPS: Final[tuple[Step, ...]] = (
     parse_model_deployment,
     read_secrets,
     parse_tenants,
+    claim_gpu_groups,
     resolve_keys,
     size_pool,
     admit,

@@ -33,7 +33,6 @@ TENANT = Kind(f"{GROUP}/{VERSION}", "Tenant", "tenants")
 CONFIG_MAP = Kind("v1", "ConfigMap", "configmaps")
 SECRET = Kind("v1", "Secret", "secrets")
 SERVICE = Kind("v1", "Service", "services")
-SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
 POD = Kind("v1", "Pod", "pods")
 EVENT = Kind("v1", "Event", "events")
 NODE = Kind("v1", "Node", "nodes", namespaced=False)
@@ -49,7 +48,6 @@ POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
 CHILD_KINDS: tuple[Kind, ...] = (
     CONFIG_MAP,
     SECRET,
-    SERVICE_ACCOUNT,
     SERVICE,
     NETWORK_POLICY,
     PDB,
