@@ -177,29 +177,41 @@ What the chart creates:
 
 ## RBAC
 
-The operator gets exactly the verbs it uses, no wildcards:
+The operator gets exactly the verbs its code uses, no wildcards (`tests/unit/test_rbac.py` derives the
+allowlist from the operator's API calls and fails on anything more):
 
 | API group | resources | verbs |
 |---|---|---|
-| kvfleet.io | modeldeployments, tenants | get, list, watch, patch, update (kopf's finalizer) |
-| kvfleet.io | modeldeployments/status, tenants/status | get, patch |
-| core | configmaps, secrets, services, serviceaccounts | get, list, watch, create, patch, delete |
-| apps | deployments, statefulsets | get, list, watch, create, patch, delete |
-| policy | poddisruptionbudgets | get, list, watch, create, patch, delete |
-| networking.k8s.io | networkpolicies | get, list, watch, create, patch, delete |
-| monitoring.coreos.com | servicemonitors, podmonitors (`rbac.monitoring`) | as above |
-| core, events.k8s.io | events | create, patch |
-| apiextensions.k8s.io | customresourcedefinitions (cluster-wide) | get, list, watch |
-| core | namespaces (cluster-wide, only with `operator.watchNamespaces`) | get, list, watch |
-| core | secrets: `<release>-salt-master` in the release namespace | get, patch (that name), create |
+| kvfleet.io | modeldeployments | get, list, watch, patch (kopf's finalizer) |
+| kvfleet.io | tenants | list, watch |
+| kvfleet.io | modeldeployments/status, tenants/status | patch |
+| core | configmaps, services | list, watch, create, patch, delete |
+| core | secrets | get, list, watch, create, patch, delete |
+| apps | deployments, statefulsets | list, watch, create, patch, delete |
+| policy | poddisruptionbudgets | list, watch, create, patch, delete |
+| networking.k8s.io | networkpolicies | list, watch, create, patch, delete |
+| monitoring.coreos.com | servicemonitors, podmonitors (`rbac.monitoring`) | list, create, patch, delete |
+| core | events | create |
+| core | secrets: `<release>-salt-master` in the release namespace | get, create, patch (that name only) |
 
-With `operator.watchNamespaces` empty (the default) the namespaced rules are granted cluster-wide by a
-ClusterRole. **This includes list and watch of Secrets in every namespace.** The operator itself only
-watches Secrets carrying its `app.kubernetes.io/managed-by=kvfleet-operator` label (a server-side label
-selector) and reads the API-key Secrets tenants name, but RBAC cannot express that restriction. To avoid
-cluster-wide Secret access, list the namespaces to watch in `operator.watchNamespaces`: the chart then
-creates one Role and RoleBinding per namespace (the namespaces must exist before the install) and passes
-`--namespace` flags to the operator.
+By default these rules are a Role in each namespace of `operator.watchNamespaces` (the release namespace
+when the list is empty; the namespaces must exist before the install), and the operator holds **no
+cluster-wide right at all**. `operator.watchAllNamespaces=true` grants them cluster-wide through a
+ClusterRole instead, which includes listing Secrets in every namespace. The operator itself lists only
+Secrets labelled `kvfleet.io/tenant` (the tenants' API-key Secrets) and watches only those labelled
+`app.kubernetes.io/managed-by=kvfleet-operator`, by server-side label selectors; RBAC cannot express a
+label restriction, so the selector limits what the operator reads, not what the rule allows.
+
+## Dedicated GPU groups
+
+With `dedicatedGpuGroups.admissionPolicy` (the default) the chart ships two ValidatingAdmissionPolicies
+and their bindings (Kubernetes 1.30+), enforced by the API server itself: a pod that tolerates or selects
+a dedicated GPU group (`kvfleet.io/gpu-group`) is refused unless the StatefulSet controller creates it
+with the labels of a kvfleet dedicated engine pod, and a Deployment, ReplicaSet, StatefulSet, DaemonSet
+or Job whose pods would do so is refused unless the operator's ServiceAccount creates or changes it. The
+operator builds pods there only for the group's owner. The namespaces in
+`dedicatedGpuGroups.exemptNamespaces` (`kube-system`) are left alone for node agents; add the namespaces
+of your other node agents (device plugin, node exporters) there.
 
 The operator keeps the master key every ModelDeployment's cache salts derive from in the Secret
 `<release>-salt-master` of the release namespace (`KVFLEET_SALT_SECRET`); it creates it on first start.

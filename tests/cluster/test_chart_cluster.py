@@ -256,7 +256,7 @@ def test_install_wait_and_the_operator_reconciles_the_examples_with_the_charts_i
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": "bank-api-key", "namespace": ns},
+            "metadata": {"name": "bank-api-key", "namespace": ns, "labels": {"kvfleet.io/tenant": "bank"}},
             "data": {"api-key": base64.b64encode(BANK_KEY.encode()).decode()},
         },
     )
@@ -348,7 +348,13 @@ def test_upgrade_with_changed_values_rolls_the_operator(
 
     # Switching to every namespace: the Roles go, a ClusterRole (with cluster-wide Secrets) comes.
     user = f"system:serviceaccount:{rel}:{RELEASE}"
-    done = _upgrade(full_cluster, rel, "operator.watchNamespaces=[]", flag="--set-json")
+    done = _upgrade(
+        full_cluster,
+        rel,
+        "operator.watchNamespaces=[]",
+        "operator.watchAllNamespaces=true",
+        flag="--set-json",
+    )
     assert done.returncode == 0, done.stderr
     args = _deployment(full_cluster, rel)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args

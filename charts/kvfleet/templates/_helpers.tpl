@@ -46,44 +46,63 @@ app.kubernetes.io/component: operator
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
 {{- end -}}
 
+{{/* The namespaces the operator watches (a YAML list): operator.watchNamespaces, or the release's. */}}
+{{- define "kvfleet.watchNamespaces" -}}
+{{- toYaml (.Values.operator.watchNamespaces | default (list .Release.Namespace)) -}}
+{{- end -}}
+
+{{/* The user the operator's requests carry: its ServiceAccount. */}}
+{{- define "kvfleet.operatorUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "kvfleet.serviceAccountName" .) -}}
+{{- end -}}
+
 {{/*
-The namespaced rules of the operator: the kvfleet kinds it reconciles, the children it owns (created and
-deleted by server-side apply, watched with a label selector), and Events. Shared by the ClusterRole (all
-namespaces) and the per-namespace Roles (watchNamespaces).
+The namespaced rules of the operator: exactly the verbs its code uses (tests/unit/test_rbac.py derives the
+allowlist from the operator's API calls and fails on anything more). Shared by the per-namespace Roles
+(the default) and the ClusterRole (operator.watchAllNamespaces). Server-side apply that creates an object
+is authorized as create, so the applied kinds need create and patch; no kind needs update.
 */}}
 {{- define "kvfleet.namespacedRules" -}}
-# ModelDeployments and Tenants: read, and patch (kopf adds and removes its finalizer on ModelDeployments).
+# ModelDeployments: read by the reconcile, listed and watched by kopf, patched by kopf for its finalizer.
 - apiGroups: ["kvfleet.io"]
-  resources: ["modeldeployments", "tenants"]
-  verbs: ["get", "list", "watch", "patch", "update"]
-# Their status subresource: written by server-side apply.
+  resources: ["modeldeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+# Tenants: listed and watched, never written (only their status is).
+- apiGroups: ["kvfleet.io"]
+  resources: ["tenants"]
+  verbs: ["list", "watch"]
+# Status of both: server-side apply.
 - apiGroups: ["kvfleet.io"]
   resources: ["modeldeployments/status", "tenants/status"]
-  verbs: ["get", "patch"]
-# Children of a ModelDeployment (tenant table, keys, gateway, engine pools) and the tenants' API-key
-# Secrets the operator reads.
+  verbs: ["patch"]
+# Children of a ModelDeployment (tenant table, gateway and engine pools, disruption budgets, network
+# policies): listed and watched by the operator's label, applied, and pruned when no longer desired.
 - apiGroups: [""]
-  resources: ["configmaps", "secrets", "services", "serviceaccounts"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  resources: ["configmaps", "services"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 {{- if .Values.rbac.monitoring }}
+# (Not watched: an optional API, so the periodic reconcile covers them.)
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "podmonitors"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "create", "patch", "delete"]
 {{- end }}
+# Secrets: the keys Secret (a child) and the tenants' API-key Secrets, which the operator lists only with
+# the label selector kvfleet.io/tenant (RBAC cannot restrict a list by label: the selector limits what it
+# reads, not what this rule allows); get: a generated key Secret created meanwhile.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Events the operator and kopf post about the objects they handle.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end -}}
