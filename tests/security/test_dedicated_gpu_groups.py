@@ -1,0 +1,478 @@
+"""Attacks on a dedicated GPU group, on the real API server (controller manager, scheduler, kwok GPU nodes).
+
+Threat: a dedicated GPU group (nodes labelled and tainted ``kvfleet.io/gpu-group=<group>``) holds one
+tenant's KV cache, in GPU memory and on its NVMe. A neighbour must not run there: not another Tenant
+naming the same group, not a user who can create pods or workloads (whatever labels or identity it puts on
+them), not a ModelDeployment whose tolerations match every taint. And nothing of the tenant stays behind
+when it goes.
+
+Defences under test: the operator's ownership rule (``build/gpu_groups.py``: the oldest claimant owns the
+group; a later one gets ``GpuGroupInUse`` naming the owner and nothing is built for it); the chart's
+ValidatingAdmissionPolicies (``charts/kvfleet/templates/dedicated-gpu-groups.yaml``), enforced by the API
+server itself; the shared pool's required ``DoesNotExist`` affinity for wildcard tolerations; and the
+engine StatefulSets' PVC retention policy (the NVMe volumes go with the pool).
+
+Setup: the chart's RBAC (watching the two namespaces of the test) and its policies, rendered by helm and
+applied as an install would; the operator's reconcile runs in process **as the chart's ServiceAccount**
+(a TokenRequest token), since the policies check who creates an engine workload. The attacks are made as
+the cluster admin: the policies refuse even that. At the end the policies are removed, so that later
+tests may create whatever pods they like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import secrets
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
+from devcluster import ControlPlane, find_binary
+from test_operator_reconcile import CONFIG, condition, create, get, load_example, provision_local_nvme, tenant
+
+from conftest import missing_component
+from kvfleet_operator.api import reasons
+from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
+from kvfleet_operator.k8s.client import Credentials, KubeClient
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvfleet"
+#: The release name; it contains the chart's name, so it is also the full name and the ServiceAccount's.
+RELEASE = "kvfleet-sec"
+GROUP = "bank-h200"
+GROUP_KEY = "kvfleet.io/gpu-group"
+MD = "qwen72b"
+POD_POLICY = f"{RELEASE}-dedicated-gpu-pods"
+WORKLOAD_POLICY = f"{RELEASE}-dedicated-gpu-workloads"
+REFUSED = "dedicated GPU group (kvfleet.io/gpu-group), which belongs to one Tenant"
+BANK_KEY = "kvf-" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Setup:
+    plane: ControlPlane
+    release_ns: str
+    owner_ns: str
+    thief_ns: str
+    operator_kubeconfig: Path
+    config: OperatorConfig
+    rendered: str
+
+
+def _tool(plane: ControlPlane, name: str, *args: str, stdin: str | None = None) -> str:
+    path = find_binary(name)
+    if path is None:
+        missing_component(name, "hack/build-cluster.sh")
+    done = subprocess.run(
+        [str(path), *args],
+        env=plane.env(),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _probe_pod(namespace: str, name: str = "probe", **spec: Any) -> dict[str, Any]:
+    """A pod that passes the restricted Pod Security level, so that only the policies can refuse it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 10001,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "busybox:1",
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+            **spec,
+        },
+    }
+
+
+def _group_toleration(group: str = GROUP) -> dict[str, Any]:
+    return {"key": GROUP_KEY, "operator": "Equal", "value": group, "effect": "NoSchedule"}
+
+
+def _affinity(operator: str, *values: str) -> dict[str, Any]:
+    expression: dict[str, Any] = {"key": GROUP_KEY, "operator": operator}
+    if values:
+        expression["values"] = list(values)
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [expression]}]
+            }
+        }
+    }
+
+
+def _post(plane: ControlPlane, doc: dict[str, Any], *, dry_run: bool = False) -> tuple[int, Any]:
+    meta = doc["metadata"]
+    group, _, version = doc["apiVersion"].rpartition("/")
+    prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    plural = doc["kind"].lower() + "s"
+    path = f"{prefix}/namespaces/{meta['namespace']}/{plural}" + ("?dryRun=All" if dry_run else "")
+    return plane.request("POST", path, doc)
+
+
+def _refused_by(body: Any, policy: str) -> bool:
+    message = str((body or {}).get("message", ""))
+    return f"ValidatingAdmissionPolicy '{policy}'" in message and REFUSED in message
+
+
+def _reconcile_as_operator(s: Setup, namespace: str, config: OperatorConfig | None = None) -> ReconcileResult:
+    async def go() -> ReconcileResult:
+        async with KubeClient(Credentials.from_kubeconfig(s.operator_kubeconfig)) as client:
+            return await reconcile_model_deployment(client, config or s.config, namespace, MD)
+
+    return asyncio.run(go())
+
+
+def _model_deployment(namespace: str, **pool: Any) -> dict[str, Any]:
+    doc = load_example("modeldeployment-qwen72b.yaml", namespace)
+    doc["spec"]["pool"] |= {"replicas": 1, **pool}  # one 8-GPU node each: the tests share the fake nodes
+    return doc
+
+
+def _dedicated_tenant(namespace: str, name: str) -> dict[str, Any]:
+    doc = load_example("tenant-bank.yaml", namespace)
+    doc["metadata"]["name"] = name
+    doc["spec"].pop("apiKeySecretRef")  # generated, if it is ever admitted
+    return doc
+
+
+def _status(plane: ControlPlane, path: str) -> int:
+    return int(plane.request("GET", path)[0])
+
+
+@pytest.fixture(scope="module")
+def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    plane = full_cluster
+    apply_crds(plane)
+    release_ns = create_namespace(plane, "kvfleet-system")
+    restricted = {"pod-security.kubernetes.io/enforce": "restricted"}
+    owner_ns = create_namespace(plane, "bank", labels=restricted)
+    thief_ns = create_namespace(plane, "thief", labels=restricted)
+    status, body = plane.request(
+        "POST", f"/api/v1/namespaces/{release_ns}/serviceaccounts", {"metadata": {"name": RELEASE}}
+    )
+    assert status == 201, body
+    rendered = _tool(
+        plane, "helm", "template", RELEASE, str(CHART), "-n", release_ns,
+        "--set", f"operator.watchNamespaces={{{owner_ns},{thief_ns}}}",
+        "-s", "templates/rbac.yaml", "-s", "templates/dedicated-gpu-groups.yaml",
+    )  # fmt: skip
+    kinds_rendered = {d["kind"] for d in yaml.safe_load_all(rendered) if d}
+    assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "Role"} <= kinds_rendered
+    try:
+        _tool(plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered)
+        # The API server enforces a policy once its informer has it: wait for the first refusal.
+        probe = _probe_pod(thief_ns, tolerations=[_group_toleration()])
+        wait_for(
+            lambda: _refused_by(_post(plane, probe, dry_run=True)[1], POD_POLICY),
+            timeout=60,
+            what="the dedicated-GPU pod policy in force",
+        )
+        for namespace in (owner_ns, thief_ns):
+            provision_local_nvme(plane, namespace)
+        kubeconfig = plane.service_account_kubeconfig(
+            release_ns, RELEASE, tmp_path_factory.mktemp("operator") / "sa.kubeconfig"
+        )
+        config = replace(CONFIG, watch_namespaces=(owner_ns, thief_ns))
+        yield Setup(plane, release_ns, owner_ns, thief_ns, kubeconfig, config, rendered)
+    finally:
+        _tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
+        for namespace in (owner_ns, thief_ns, release_ns):
+            delete_namespace(plane, namespace, wait=True)
+
+
+@pytest.fixture(scope="module")
+def owner(setup: Setup) -> Setup:
+    """The bank's ModelDeployment and its dedicated tenant ``bank`` (the group's first claimant),
+    reconciled by the operator until nothing changes."""
+    s, ns = setup, setup.owner_ns
+    create(s.plane, _model_deployment(ns))
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "bank-api-key", "namespace": ns, "labels": {"kvfleet.io/tenant": "bank"}},
+        "data": {"api-key": base64.b64encode(BANK_KEY.encode()).decode()},
+    }
+    create(s.plane, secret)
+    create(s.plane, load_example("tenant-bank.yaml", ns))
+    for _ in range(4):
+        if not _reconcile_as_operator(s, ns).applied:
+            break
+    ready = condition(tenant(s.plane, ns, "bank"))
+    assert ready.get("reason") in {reasons.READY, reasons.MODEL_DEPLOYMENT_NOT_READY}, ready
+    return s
+
+
+def _engine_pods(plane: ControlPlane, namespace: str) -> dict[str, str]:
+    pods = get(plane, f"/api/v1/namespaces/{namespace}/pods?labelSelector=app.kubernetes.io/component=engine")
+    return {p["metadata"]["name"]: p["spec"].get("nodeName", "") for p in pods["items"]}
+
+
+def test_the_owners_engine_workload_is_admitted_and_lands_on_its_group(owner: Setup) -> None:
+    """The legitimate path through the policies: the operator's identity creates the StatefulSet, the
+    StatefulSet controller creates the pod with the engine labels, the scheduler puts it on the group."""
+    s = owner
+    sts = get(s.plane, f"/apis/apps/v1/namespaces/{s.owner_ns}/statefulsets/{MD}-dedicated-bank-engine")
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete",
+        "whenScaled": "Retain",
+    }
+    group_nodes = {n.name for n in s.plane.layout.dedicated_groups[GROUP]}
+    placed = wait_for(
+        lambda: _engine_pods(s.plane, s.owner_ns).get(f"{MD}-dedicated-bank-engine-0"),
+        timeout=90,
+        what="the bank's engine pod scheduled",
+    )
+    assert placed in group_nodes
+    assert condition(tenant(s.plane, s.owner_ns, "bank")).get("reason") != reasons.GPU_GROUP_IN_USE
+
+
+def _owner_sts(s: Setup) -> dict[str, Any]:
+    return get(s.plane, f"/apis/apps/v1/namespaces/{s.owner_ns}/statefulsets/{MD}-dedicated-bank-engine")
+
+
+def _owner_pod(s: Setup) -> dict[str, Any]:
+    return get(s.plane, f"/api/v1/namespaces/{s.owner_ns}/pods/{MD}-dedicated-bank-engine-0")
+
+
+def _copy_of(obj: dict[str, Any], name: str, namespace: str) -> dict[str, Any]:
+    doc = copy.deepcopy(obj)
+    meta = doc["metadata"]
+    doc["metadata"] = {"name": name, "namespace": namespace, "labels": meta.get("labels", {})}
+    doc.pop("status", None)
+    return doc
+
+
+def _workload(kind: str, namespace: str, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    labels = {"app": "intruder"}
+    template = {"metadata": {"labels": labels}, "spec": pod_spec}
+    spec: dict[str, Any] = {"template": template}
+    if kind != "Job":
+        spec["selector"] = {"matchLabels": labels}
+    else:
+        template["spec"] = {**pod_spec, "restartPolicy": "Never"}
+    api = "batch/v1" if kind == "Job" else "apps/v1"
+    return {
+        "apiVersion": api,
+        "kind": kind,
+        "metadata": {"name": "intruder", "namespace": namespace},
+        "spec": spec,
+    }
+
+
+#: Each attack: (what it is, the object it creates, the policy that must refuse it). The thief's
+#: namespace enforces the restricted Pod Security level and every object passes it.
+ATTACKS: dict[str, Callable[[Setup], tuple[dict[str, Any], str]]] = {
+    "pod-tolerating-the-group": lambda s: (
+        _probe_pod(s.thief_ns, tolerations=[_group_toleration()]),
+        POD_POLICY,
+    ),
+    "pod-tolerating-every-group": lambda s: (
+        _probe_pod(s.thief_ns, tolerations=[{"key": GROUP_KEY, "operator": "Exists"}]),
+        POD_POLICY,
+    ),
+    "pod-with-a-wildcard-toleration": lambda s: (
+        _probe_pod(s.thief_ns, tolerations=[{"operator": "Exists"}]),
+        POD_POLICY,
+    ),
+    "pod-selecting-the-group-by-node-selector": lambda s: (
+        _probe_pod(s.thief_ns, nodeSelector={GROUP_KEY: GROUP}),
+        POD_POLICY,
+    ),
+    "pod-requiring-the-group-by-affinity": lambda s: (
+        _probe_pod(s.thief_ns, affinity=_affinity("In", GROUP), tolerations=[_group_toleration()]),
+        POD_POLICY,
+    ),
+    "pod-dressed-as-the-owners-engine-pod-in-its-namespace": lambda s: (
+        _copy_of(_owner_pod(s), "impostor-0", s.owner_ns),
+        POD_POLICY,
+    ),
+    "statefulset-copied-from-the-operators-in-the-owners-namespace": lambda s: (
+        _copy_of(_owner_sts(s), "impostor", s.owner_ns),
+        WORKLOAD_POLICY,
+    ),
+    "deployment-tolerating-the-group": lambda s: (
+        _workload(
+            "Deployment", s.thief_ns, _probe_pod(s.thief_ns, tolerations=[_group_toleration()])["spec"]
+        ),
+        WORKLOAD_POLICY,
+    ),
+    "daemonset-with-a-wildcard-toleration": lambda s: (
+        _workload(
+            "DaemonSet", s.thief_ns, _probe_pod(s.thief_ns, tolerations=[{"operator": "Exists"}])["spec"]
+        ),
+        WORKLOAD_POLICY,
+    ),
+    "job-selecting-the-group": lambda s: (
+        _workload("Job", s.thief_ns, _probe_pod(s.thief_ns, nodeSelector={GROUP_KEY: GROUP})["spec"]),
+        WORKLOAD_POLICY,
+    ),
+}
+
+
+def _without_group(doc: dict[str, Any]) -> dict[str, Any]:
+    """The same object with everything that reaches a group removed: what the policies must let through."""
+    benign = copy.deepcopy(doc)
+    spec = benign["spec"] if benign["kind"] == "Pod" else benign["spec"]["template"]["spec"]
+    for key in ("tolerations", "nodeSelector", "affinity"):
+        spec.pop(key, None)
+    return benign
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=ATTACKS)
+def test_a_foreign_pod_or_workload_reaching_the_group_is_refused_by_the_api_server(
+    owner: Setup, attack: str
+) -> None:
+    """Attack: a user who may create pods or workloads (here the cluster admin) puts them on the bank's
+    GPUs: by toleration, node selector, affinity, a wildcard toleration, or a copy of the operator's own
+    StatefulSet or engine pod with all its labels. The API server refuses each with the policy's message;
+    the same object without its way onto the group is admitted (so the policy is what refused it)."""
+    doc, policy = ATTACKS[attack](owner)
+    status, body = _post(owner.plane, doc)
+    assert status == 403 and _refused_by(body, policy), (status, body)
+    status, body = _post(owner.plane, _without_group(doc), dry_run=True)
+    assert status == 201, body
+
+
+def test_adding_a_toleration_to_a_pending_pod_is_refused(owner: Setup) -> None:
+    """Attack: create an ordinary pod that cannot be scheduled yet, then add the group's toleration and
+    node selector by an update (tolerations of a pod may be added). Label changes stay allowed."""
+    s = owner
+    pod = _probe_pod(s.thief_ns, "pending", nodeSelector={"no-such-label": "anywhere"})
+    status, body = _post(s.plane, pod)
+    assert status == 201, body
+    path = f"/api/v1/namespaces/{s.thief_ns}/pods/pending"
+    patch = {"spec": {"tolerations": [_group_toleration()]}}
+    status, body = s.plane.request("PATCH", path, patch, content_type="application/merge-patch+json")
+    assert status == 403 and _refused_by(body, POD_POLICY), (status, body)
+    label = {"metadata": {"labels": {"touched": "yes"}}}
+    assert s.plane.request("PATCH", path, label, content_type="application/merge-patch+json")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("what", "spec"),
+    [
+        pytest.param("ordinary", {}, id="an-ordinary-pod"),
+        pytest.param(
+            "wildcard-kept-off",
+            {"tolerations": [{"operator": "Exists"}], "affinity": _affinity("DoesNotExist")},
+            id="a-wildcard-toleration-that-excludes-every-group",
+        ),
+        pytest.param(
+            "not-in-the-group",
+            {"affinity": _affinity("NotIn", GROUP)},
+            id="an-affinity-that-avoids-the-group",
+        ),
+    ],
+)
+def test_pods_that_stay_off_the_groups_are_admitted(owner: Setup, what: str, spec: dict[str, Any]) -> None:
+    """The policies must not break the cluster: pods that cannot reach a group pass them."""
+    status, body = _post(owner.plane, _probe_pod(owner.thief_ns, f"fine-{what}", **spec), dry_run=True)
+    assert status == 201, body
+
+
+def test_the_exempt_namespace_keeps_its_node_agents(owner: Setup) -> None:
+    """kube-system (dedicatedGpuGroups.exemptNamespaces) is left alone: node agents tolerate everything."""
+    agent = _probe_pod("kube-system", "node-agent", tolerations=[{"operator": "Exists"}])
+    status, body = _post(owner.plane, agent, dry_run=True)
+    assert status == 201, body
+
+
+def test_a_second_claimant_gets_a_condition_naming_the_owner_and_nothing_is_built(owner: Setup) -> None:
+    """Attack: a Tenant in another namespace names the bank's group. It gets Ready=False with
+    GpuGroupInUse naming the owner, no engine pool, no API key; its ModelDeployment's shared pool, whose
+    wildcard toleration would match the group's taint, runs on the shared nodes only."""
+    s, ns = owner, owner.thief_ns
+    create(s.plane, _model_deployment(ns, tolerations=[{"operator": "Exists"}]))
+    create(s.plane, _dedicated_tenant(ns, "thief"))
+    for _ in range(3):
+        _reconcile_as_operator(s, ns)
+    ready = condition(tenant(s.plane, ns, "thief"))
+    assert (ready.get("status"), ready.get("reason")) == ("False", reasons.GPU_GROUP_IN_USE), ready
+    assert f"{s.owner_ns}/bank" in ready["message"] and GROUP in ready["message"]
+    assert _status(s.plane, f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-dedicated-thief-engine") == 404
+    assert _status(s.plane, f"/api/v1/namespaces/{ns}/secrets/thief-api-key") == 404
+    assert (
+        _status(s.plane, f"/apis/apps/v1/namespaces/{s.owner_ns}/statefulsets/{MD}-dedicated-bank-engine")
+        == 200
+    )
+
+    shared = get(s.plane, f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-engine")["spec"]["template"][
+        "spec"
+    ]
+    terms = shared["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": GROUP_KEY, "operator": "DoesNotExist"}]}
+    ]
+    shared_nodes = {n.name for n in s.plane.layout.shared_pool}
+    placed = wait_for(
+        lambda: _engine_pods(s.plane, ns).get(f"{MD}-engine-0"),
+        timeout=90,
+        what="the shared engine pod scheduled",
+    )
+    assert placed in shared_nodes
+
+    # Watching every namespace (one cluster-wide list) finds the owner just the same.
+    everywhere = replace(s.config, watch_namespaces=())
+    admin = asyncio.run(_reconcile_with_admin(s, ns, everywhere))
+    assert not [a for a in admin.applied if "dedicated-thief" in a]
+    assert condition(tenant(s.plane, ns, "thief")).get("reason") == reasons.GPU_GROUP_IN_USE
+
+
+async def _reconcile_with_admin(s: Setup, namespace: str, config: OperatorConfig) -> ReconcileResult:
+    async with KubeClient(Credentials.from_kubeconfig(s.plane.kubeconfig)) as client:
+        return await reconcile_model_deployment(client, config, namespace, MD)
+
+
+def test_the_owner_keeps_the_group_until_deleted_and_its_volumes_go_with_it(owner: Setup) -> None:
+    """The owner is stable: reconciling both again changes nothing. Once the bank is deleted its pool and
+    its NVMe volumes are deleted (nothing of its KV stays), and the next claimant gets the group."""
+    s = owner
+    _reconcile_as_operator(s, s.owner_ns)
+    _reconcile_as_operator(s, s.thief_ns)
+    assert condition(tenant(s.plane, s.thief_ns, "thief")).get("reason") == reasons.GPU_GROUP_IN_USE
+    prefix = f"nvme-{MD}-dedicated-bank-engine-"
+
+    def bank_claims() -> list[str]:
+        items = get(s.plane, f"/api/v1/namespaces/{s.owner_ns}/persistentvolumeclaims")["items"]
+        return [c["metadata"]["name"] for c in items if c["metadata"]["name"].startswith(prefix)]
+
+    wait_for(bank_claims, timeout=60, what="the bank's NVMe volume claims")
+    status, body = s.plane.request(
+        "DELETE", f"/apis/kvfleet.io/v1alpha1/namespaces/{s.owner_ns}/tenants/bank"
+    )
+    assert status == 200, body
+    sts = f"/apis/apps/v1/namespaces/{s.owner_ns}/statefulsets/{MD}-dedicated-bank-engine"
+    wait_for(lambda: _status(s.plane, sts) == 404, timeout=120, what="the bank's engine pool deleted with it")
+    wait_for(
+        lambda: not bank_claims(), timeout=120, what="the bank's NVMe volume claims deleted with its pool"
+    )
+
+    for _ in range(3):
+        _reconcile_as_operator(s, s.thief_ns)
+    assert condition(tenant(s.plane, s.thief_ns, "thief")).get("reason") != reasons.GPU_GROUP_IN_USE
+    path = f"/apis/apps/v1/namespaces/{s.thief_ns}/statefulsets/{MD}-dedicated-thief-engine"
+    assert _status(s.plane, path) == 200
