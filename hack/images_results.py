@@ -4,11 +4,12 @@ Every build by ``hack/images.sh`` appends a line to ``$KVFLEET_CACHE/images/buil
 whether it was cached, pip's cache size before and after). This reads those lines and the sizes podman
 reports and writes one results file (benchmarks/results_format.py):
 
-* ``<image>_build_cold_s``: the first build of an image with pip's cache empty (< 50 MB) — every wheel
-  downloaded; for the base, mmdebstrap from Debian's mirror plus the import;
-* ``<image>_build_code_change_s``: a rebuild after kvfleet's code changed (pip cache warm, dependency
-  layers cached: only the layers from ``COPY runtime`` on run again);
-* ``images_build_warm_s``: ``make images`` with nothing to do (content tags exist);
+* ``<image>_build_cold_s``: the first build of an image whose wheels were not downloaded yet (for the
+  base: mmdebstrap from Debian's mirror plus the import);
+* ``<image>_build_code_change_s``: a rebuild after kvfleet's code changed (downloads and dependency layers
+  cached: only the wheel and the layers after it are built);
+* ``<image>_build_dependencies_s``: dependency layers rebuilt with every download cached;
+* ``images_build_noop_s``: ``make images`` with nothing to do (content tags exist), per image;
 * ``<image>_size_mb``: the image's size as podman reports it;
 * ``go_<group>_build_s``: with ``--build-cluster-log LOG...``, each ``<group>: done in N s`` line of
   hack/build-cluster.sh's output (the real node's kubelet/kube-proxy, CoreDNS, kube-router; the control
@@ -33,8 +34,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from results_format import Figure, Machine, add_results_argument, measured, write_results  # noqa: E402
 
-COLD_PIP_MB = 50
-
 
 def _cache() -> Path:
     return Path(os.environ.get("KVFLEET_CACHE", str(Path.home() / ".cache" / "kvfleet")))
@@ -50,22 +49,36 @@ def _size_mb(ref: str) -> float:
     return round(int(out.stdout.strip()) / 1e6, 1)
 
 
+def build_kind(build: dict[str, Any]) -> str:
+    """``cold`` (the image's wheels were not cached: most of the cache grew during the build), ``noop``
+    (content tag existed), ``code_change`` (downloads cached); a ``kind`` written into the log wins."""
+    if "kind" in build:
+        return str(build["kind"])
+    if build["cached"]:
+        return "noop"
+    before, after = build.get("pip_cache_mb_before", 0), build.get("pip_cache_mb", 0)
+    return "cold" if after - before > 0.5 * max(after, 1) else "code_change"
+
+
 def summarize(builds: list[dict[str, Any]]) -> tuple[dict[str, Figure], dict[str, Any]]:
-    """The figures of the build log (pure)."""
+    """The figures of the build log (pure): the first cold build of each image, and every code-change,
+    dependency and no-op build."""
     figures: dict[str, Figure] = {}
+    notes = {
+        "cold": "empty download cache, no layers",
+        "code_change": "kvfleet's code changed: downloads and dependency layers cached",
+        "dependencies": "dependency layers rebuilt, every download cached",
+    }
     for image in ("base", "kvfleet", "engine"):
-        built = [b for b in builds if b["image"] == image and not b["cached"]]
-        cold = [b["seconds"] for b in built if b.get("pip_cache_mb_before", 0) < COLD_PIP_MB]
-        warm = [b["seconds"] for b in built if b.get("pip_cache_mb_before", 0) >= COLD_PIP_MB]
-        if cold:
-            figures[f"{image}_build_cold_s"] = Figure.of(cold[:1], "s", note="empty pip cache, no layers")
-        if warm and image != "base":
-            figures[f"{image}_build_code_change_s"] = Figure.of(
-                warm, "s", note="pip cache and dependency layers warm"
-            )
-    noop = [b["seconds"] for b in builds if b["cached"]]
+        for kind, note in notes.items():
+            seconds = [float(b["seconds"]) for b in builds if b["image"] == image and build_kind(b) == kind]
+            if kind == "cold":
+                seconds = seconds[:1]
+            if seconds:
+                figures[f"{image}_build_{kind}_s"] = Figure.of(seconds, "s", note=note)
+    noop = [float(b["seconds"]) for b in builds if build_kind(b) == "noop"]
     if noop:
-        figures["images_build_warm_s"] = Figure.of(noop, "s", note="per image, content tag already built")
+        figures["images_build_noop_s"] = Figure.of(noop, "s", note="per image, content tag already built")
     return figures, {"builds": builds}
 
 
