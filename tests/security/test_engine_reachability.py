@@ -182,6 +182,13 @@ def test_attackers_reach_no_port_at_all(attacker: str, engine: str) -> None:
     assert allowed_ports(POLICIES, NAMESPACES, ATTACKERS[attacker], ENGINES[engine]) == set()
 
 
+def test_pools_do_not_reach_each_other() -> None:
+    """Threat: a compromised shared-pool engine (it runs every shared tenant's requests) reaches the
+    dedicated pool's engines, or the reverse: engines are no one's allowed peers, not even each other's."""
+    assert allowed_ports(POLICIES, NAMESPACES, SHARED_ENGINE, BANK_ENGINE) == set()
+    assert allowed_ports(POLICIES, NAMESPACES, BANK_ENGINE, SHARED_ENGINE) == set()
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_the_gateway_reaches_vllm_and_nothing_else(engine: str) -> None:
     """Threat: a compromised or buggy gateway talks to LMCache or reads the metrics; and, the other way,
