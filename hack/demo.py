@@ -144,7 +144,9 @@ def helm_install(plane: ControlPlane) -> None:
     helm = str(binaries.require_binary("helm"))
     subprocess.run(
         [helm, "upgrade", "--install", RELEASE, str(REPO / "charts/kvfleet"), "--namespace", RELEASE_NS,
-         "--create-namespace", "--wait", "--timeout", "180s"],
+         "--create-namespace", "--wait", "--timeout", "180s",
+         # The demo's operator runs with --all-namespaces: the chart grants that only when asked.
+         "--set", "operator.watchAllNamespaces=true"],
         env=plane.env(), check=True, capture_output=True, text=True,
     )  # fmt: skip
 
