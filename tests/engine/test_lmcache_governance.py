@@ -105,7 +105,8 @@ def test_tenant_bytes_stay_within_quota_plus_one_chunk(stack: Stack) -> None:
         assert 0 < stack.usage(salt) <= quota + LMCACHE_CHUNK_BYTES
     stack.sync(tenant("qa", nvme_bytes=quota))
     sample = stack.metrics.registry.get_sample_value(
-        "kvfleet_lmcache_tenant_bytes", {"endpoint": stack.lmcache.http_url, "tenant": "qa", "kv_tier": "nvme"}
+        "kvfleet_lmcache_tenant_bytes",
+        {"endpoint": stack.lmcache.http_url, "tenant": "qa", "kv_tier": "nvme"},
     )
     assert sample is not None and 0 < sample <= quota + LMCACHE_CHUNK_BYTES
     # The CPU tier is not quota-bound (L1 is one shared LRU pool): its per-tenant figure is an estimate
