@@ -428,11 +428,27 @@ def image_present(ref: str) -> bool:
     return out.returncode == 0 and ref in out.stdout.decode().split()
 
 
+def image_digest(ref: str) -> str | None:
+    """The manifest digest containerd has under ``ref``, or ``None``."""
+    out = ctr("images", "ls", f"name=={ref}", check=False)
+    for line in out.stdout.decode().splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0] == ref:
+            return next((f for f in fields if f.startswith("sha256:")), None)
+    return None
+
+
 def import_podman_image(refs: list[str]) -> None:
-    """``podman save`` the images (one archive, every tag kept) into ``ctr -n k8s.io images import``."""
-    missing = [ref for ref in refs if not image_present(ref)]
-    if not missing:
+    """``podman save`` one image under all of ``refs`` (the first: its content tag) into
+    ``ctr -n k8s.io images import``, unless containerd has every ref on one image already."""
+    digests = {ref: image_digest(ref) for ref in refs}
+    if None not in digests.values() and len(set(digests.values())) == 1:
         return
+    # `ctr images import` leaves an existing name where it points: drop the names first, so the version tag
+    # (the chart's default) moves to this build.
+    for ref in refs:
+        ctr("images", "rm", ref, check=False)
+    missing = list(refs)
     with subprocess.Popen(
         ["podman", "save", "--format", "docker-archive", "-m", *missing], stdout=subprocess.PIPE
     ) as save:

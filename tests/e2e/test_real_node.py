@@ -40,7 +40,8 @@ from kvfleet_operator.build.common import (
     LMCACHE_SYNC_METRICS_PORT,
     PLUGIN_METRICS_PORT,
 )
-from kvfleet_runtime.config import TenantTable
+from kvfleet_operator.build.network import DEFAULT_MONITORING_NAMESPACE
+from kvfleet_runtime.config import PLUGIN_DEBUG_PORT, TenantTable
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASE, RELEASE_NS = "kvfleet", "kvfleet-system"
@@ -53,6 +54,7 @@ PROMPT_WORDS = 360  # ~700 tokens of the tiny tokenizer: 21 full 32-token blocks
 PROBE_PORTS = {
     "inference": ENGINE_PORT,
     "plugin metrics": PLUGIN_METRICS_PORT,
+    "plugin debug": PLUGIN_DEBUG_PORT,
     "quota-sync metrics": LMCACHE_SYNC_METRICS_PORT,
     "LMCache ZMQ": LMCACHE_PORT,
     "LMCache HTTP": LMCACHE_HTTP_PORT,
@@ -215,9 +217,14 @@ def test_helm_install_runs_the_operator_image_with_probes_passing(plane: Control
     assert "readinessProbe" in spec["containers"][0] and "livenessProbe" in spec["containers"][0]
     container = status["containerStatuses"][0]
     assert container["ready"] and container["restartCount"] == 0, container
-    # The image that runs is the one make images built (containerd knows it by the same content tag).
-    built = kvfleet_images()["kvfleet"]
-    assert container["image"] in built or container["imageID"], container
+    # The image that runs is exactly the one make images built last (same image ID as in podman's store).
+    assert container["imageID"].endswith(_image_id("kvfleet")), (container, _image_id("kvfleet"))
+
+
+def _image_id(name: str) -> str:
+    """The image ID (config digest) of what make images built last for ``name``."""
+    data = json.loads((binaries.cache_dir() / "images" / "images.json").read_text())
+    return str(data[name]["id"])
 
 
 def _apply(plane: ControlPlane, doc: dict[str, Any]) -> None:
@@ -288,8 +295,10 @@ def test_model_deployment_runs_engine_and_gateway_pods_under_restricted_pod_secu
         v.get("persistentVolumeClaim", {}).get("claimName") == "models" for v in engine["spec"]["volumes"]
     )
     assert engine["status"]["containerStatuses"][0]["restartCount"] == 0
+    assert engine["status"]["containerStatuses"][0]["imageID"].endswith(_image_id("engine"))
     for pod in _pods(plane, NS, "app.kubernetes.io/component=gateway"):
         assert pod["spec"]["containers"][0]["image"].startswith(values["gatewayImage"]["repository"] + ":")
+        assert pod["status"]["containerStatuses"][0]["imageID"].endswith(_image_id("kvfleet"))
     # The namespace enforces `restricted`: a pod asking for root is refused by the API server.
     status, body = plane.request(
         "POST",
@@ -364,13 +373,16 @@ def test_traffic_through_the_gateway_service_shows_per_tenant_hits_and_isolation
 
 @pytest.fixture(scope="module")
 def probes(plane: ControlPlane) -> dict[str, tuple[str, str]]:
-    """Probe pods: one in another namespace, one in the engine's namespace that is not the gateway, and
-    one in another namespace labelled as a metrics scraper. name -> (namespace, pod)."""
+    """Probe pods: one in another namespace, one in the engine's namespace that is not the gateway, a
+    labelled metrics scraper in the scrapers' namespace (the chart's default: ``monitoring``) and one with
+    the same label in another namespace. name -> (namespace, pod)."""
     image = kvfleet_images()["kvfleet"][0]
-    kube(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": OTHER_NS, "labels": RESTRICTED}})
+    for ns in (OTHER_NS, DEFAULT_MONITORING_NAMESPACE):
+        kube(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": ns, "labels": RESTRICTED}})
     pods = {
         "other-namespace": (OTHER_NS, "probe", {"app": "probe"}),
         "same-namespace": (NS, "probe", {"app": "probe"}),
+        "scraper": (DEFAULT_MONITORING_NAMESPACE, "scraper", {LABEL_SCRAPER: "true"}),
         "scraper-other-namespace": (OTHER_NS, "scraper", {LABEL_SCRAPER: "true"}),
     }
     for ns, name, labels in pods.values():
@@ -405,23 +417,23 @@ def test_non_gateway_pods_cannot_reach_any_engine_port(
     assert result != "open", f"{origin} pod reached the engine's {port_name} port {PROBE_PORTS[port_name]}"
 
 
-def test_labelled_scraper_reaches_the_plugin_metrics_port(
-    plane: ControlPlane, probes: dict[str, tuple[str, str]]
+@pytest.mark.parametrize("port_name", sorted(PROBE_PORTS))
+def test_scraper_reaches_the_metrics_port_only(
+    plane: ControlPlane, probes: dict[str, tuple[str, str]], port_name: str
 ) -> None:
-    """The policy admits what it should: a labelled scraper from another namespace gets the metrics."""
-    ns, pod = probes["scraper-other-namespace"]
-    assert connect(plane, ns, pod, _engine_ip(plane), PLUGIN_METRICS_PORT) == "open"
+    """Issue 13's gateway bypass, closed: a labelled scraper in the scrapers' namespace gets the pod's
+    metrics port and nothing else (no inference, no LMCache)."""
+    ns, pod = probes["scraper"]
+    result = connect(plane, ns, pod, _engine_ip(plane), PROBE_PORTS[port_name])
+    if PROBE_PORTS[port_name] == PLUGIN_METRICS_PORT:
+        assert result == "open"
+    else:
+        assert result != "open", f"the scraper reached the engine's {port_name} port"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 item 1, open: build_engine_network_policy admits kvfleet.io/metrics-scraper=true pods "
-    "from any namespace on ENGINE_PORT as well as the metrics ports (operator build/network.py)",
-)
-def test_metrics_scraper_label_does_not_open_the_inference_port(
+def test_scraper_label_outside_the_scrapers_namespace_opens_nothing(
     plane: ControlPlane, probes: dict[str, tuple[str, str]]
 ) -> None:
-    """Issue 13's gateway bypass: the engine policy admits ``kvfleet.io/metrics-scraper=true`` pods from
-    any namespace; they must reach the metrics ports only, never vLLM's OpenAI port."""
     ns, pod = probes["scraper-other-namespace"]
-    assert connect(plane, ns, pod, _engine_ip(plane), ENGINE_PORT) != "open"
+    for port in (PLUGIN_METRICS_PORT, ENGINE_PORT):
+        assert connect(plane, ns, pod, _engine_ip(plane), port) != "open", port
