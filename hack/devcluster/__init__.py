@@ -3,7 +3,7 @@
 Binaries come from ``hack/build-cluster.sh`` (cache: ``$KVFLEET_CACHE/bin``, default
 ``~/.cache/kvfleet/bin``). Use :func:`start_control_plane` / :meth:`ControlPlane.stop` from Python,
 the pytest fixtures in ``tests/cluster_fixtures.py``, or the CLI ``python -m devcluster up|down|status|env``
-(with ``hack`` on ``PYTHONPATH``).
+(with ``hack`` on ``PYTHONPATH``; ``up --tier node`` adds a real node, :mod:`devcluster.node`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .layout import (
     build_layout,
     build_node_manifest,
 )
+from .node import NODE_NAME, RealNode, missing_node_components
 from .prometheus import PrometheusServer, build_scrape_config, start_prometheus
 
 __all__ = [
@@ -31,10 +32,12 @@ __all__ = [
     "GPU_POOL_LABEL",
     "GPU_PRODUCT_LABEL",
     "GPU_RESOURCE",
+    "NODE_NAME",
     "ControlPlane",
     "FakeNode",
     "NodeLayout",
     "PrometheusServer",
+    "RealNode",
     "Taint",
     "Tier",
     "bin_dir",
@@ -46,6 +49,7 @@ __all__ = [
     "extend_to_full",
     "find_binary",
     "missing_binaries",
+    "missing_node_components",
     "start_control_plane",
     "start_prometheus",
 ]
