@@ -56,11 +56,12 @@ def test_every_laid_out_table_is_on_the_page() -> None:
 
 
 def test_a_new_results_file_needs_only_its_markers_on_the_page() -> None:
-    new = _results("images", {"kvfleet.build_cold": Figure.of([95.0, 80.0, 110.0], "s", note="no cache")})
-    results = {**RESULTS, "images": new}
-    text = report.update(DOC_TEXT + "\n<!-- results:images -->\n<!-- /results:images -->\n", results)
+    # A name no real results file has (images.json exists: make images writes it).
+    new = _results("new_bench", {"kvfleet.build_cold": Figure.of([95.0, 80.0, 110.0], "s", note="no cache")})
+    results = {**RESULTS, "new_bench": new}
+    text = report.update(DOC_TEXT + "\n<!-- results:new_bench -->\n<!-- /results:new_bench -->\n", results)
     assert "| `kvfleet.build_cold` | 95 [80\u2013110] (no cache) | s | 3 |" in text
-    assert "`benchmarks/results/images.json` (measured on 2026-11-30" in text
+    assert "`benchmarks/results/new_bench.json` (measured on 2026-11-30" in text
     assert report.check(text, results) == []
 
 
