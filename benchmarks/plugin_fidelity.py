@@ -54,7 +54,7 @@ from kvfleet_runtime.config import (
     dump_json,
 )
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
-from kvfleet_runtime.kv.simulator import FleetSpec, PolicySpec, TenantSpec, simulate
+from kvfleet_runtime.kv.simulator import FleetSpec, PolicySpec, SimulatedTenant, simulate
 from kvfleet_runtime.kv.workloads import Request, TenantLoad, build_noisy_neighbour
 
 BLOCK = 32
@@ -141,7 +141,7 @@ def simulated(trace: list[Request], governed: bool) -> dict[str, float]:
         decode_tokens_per_second=1e12,
     )
     tenants = [
-        TenantSpec(name, share=quota / CAPACITY, burst_cap=burst / CAPACITY, ttl=TTL)
+        SimulatedTenant(name, share=quota / CAPACITY, burst_cap=burst / CAPACITY, ttl=TTL)
         for name, (quota, burst) in LIMITS.items()
     ]
     policy = PolicySpec("kvfleet-hbm" if governed else "lru", "HBM only", governed=governed)

@@ -43,7 +43,7 @@ from results_format import (
 
 from kvfleet_runtime.config import SlaTier, TierTTLs
 from kvfleet_runtime.kv.simulate_cli import add_simulate_arguments, build_fleet_spec
-from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, TenantSpec, simulate
+from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulatedTenant, simulate
 from kvfleet_runtime.kv.workloads import Request, TenantLoad, build_noisy_neighbour, build_rag_chat
 
 PUBLISHED = {"lru": 38.0, "radix": 17.0, "lmcache": 11.0, "distributed": 6.0}
@@ -92,8 +92,8 @@ def build_fleet(unit_tokens: int) -> FleetSpec:
     return build_fleet_spec(args)
 
 
-def tenants() -> list[TenantSpec]:
-    return [TenantSpec(name, sla, share=quota, ttl=TierTTLs()) for name, sla, quota, _ in MIX]
+def tenants() -> list[SimulatedTenant]:
+    return [SimulatedTenant(name, sla, share=quota, ttl=TierTTLs()) for name, sla, quota, _ in MIX]
 
 
 def workload(sessions: int, seed: int, duration: float, think: float) -> list[Request]:
@@ -264,9 +264,9 @@ def noisy_neighbour(seeds: int, results: Path, load_at_start: float) -> None:
     fleet = FleetSpec(replicas=1, unit_tokens=256, hbm_units_per_replica=256 * 1024 // 256)
     quiet = [TenantLoad("quiet-a", 10), TenantLoad("quiet-b", 10)]
     specs = [
-        TenantSpec("quiet-a", SlaTier.STANDARD, share=0.4),
-        TenantSpec("quiet-b", SlaTier.STANDARD, share=0.4),
-        TenantSpec("noisy", SlaTier.BASIC, share=0.2),
+        SimulatedTenant("quiet-a", SlaTier.STANDARD, share=0.4),
+        SimulatedTenant("quiet-b", SlaTier.STANDARD, share=0.4),
+        SimulatedTenant("noisy", SlaTier.BASIC, share=0.2),
     ]
     print("noisy neighbour (1 replica, 256K-token HBM, 600 s, 60 s warm-up), quiet tenants' prefix hit rate")
     print(f"{'config':<10} {'tenant':<8} {'with flood':>16} {'alone':>16}  (median [min-max] over seeds)")

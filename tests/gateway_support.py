@@ -211,7 +211,7 @@ def free_closed_port_url() -> str:
 
 
 @dataclass
-class TenantSpec:
+class TenantRow:
     name: str
     tier: SlaTier = SlaTier.STANDARD
     isolation: Isolation = Isolation.SALTED
@@ -222,7 +222,7 @@ class TenantSpec:
     keys: int = 1
 
 
-def build_table(tenants: list[TenantSpec], pools: dict[str, list[str]], block_size: int = 16) -> TenantTable:
+def build_table(tenants: list[TenantRow], pools: dict[str, list[str]], block_size: int = 16) -> TenantTable:
     entries = {}
     for t in tenants:
         salt_id = "pool-shared" if t.isolation is Isolation.SHARED else f"tenant-{t.name}"
@@ -250,7 +250,7 @@ def build_table(tenants: list[TenantSpec], pools: dict[str, list[str]], block_si
 
 
 def build_keys(
-    tenants: list[TenantSpec], salt_key_hex: str | None = None
+    tenants: list[TenantRow], salt_key_hex: str | None = None
 ) -> tuple[KeyFile, dict[str, list[str]]]:
     """A key file and the plaintext keys per tenant (for the test client only)."""
     plain = {t.name: [f"sk-{t.name}-{secrets.token_hex(16)}" for _ in range(t.keys)] for t in tenants}

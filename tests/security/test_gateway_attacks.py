@@ -28,7 +28,7 @@ from gateway_support import (
     MODEL,
     FakeEngine,
     GatewayProcess,
-    TenantSpec,
+    TenantRow,
     build_keys,
     build_table,
     fake_engines,
@@ -80,7 +80,7 @@ class Attack:
 @contextlib.asynccontextmanager
 async def attack(
     tmp_path: Path,
-    tenants: list[TenantSpec],
+    tenants: list[TenantRow],
     *flags: str,
     engines: int = 1,
     engine_kwargs: dict[str, Any] | None = None,
@@ -153,7 +153,7 @@ async def test_a_key_two_tenants_list_is_refused_for_both_and_never_routed(
     """Threat: a key listed by two tenants (a copied Secret, a mistake) is silently mapped to one of them,
     so the victim's traffic runs under another tenant's salt, priority and limits, or the other way round.
     The probe saw 200 and routing to the other tenant in all four orderings, with nothing logged."""
-    victim, thief, bystander = TenantSpec("victim", keys=2), TenantSpec("thief"), TenantSpec("bystander")
+    victim, thief, bystander = TenantRow("victim", keys=2), TenantRow("thief"), TenantRow("bystander")
     _, plain = build_keys([victim, thief, bystander])
     shared = plain["victim"][0]
     plain["thief"] = [shared]
@@ -199,7 +199,7 @@ async def test_a_key_two_tenants_list_is_refused_for_both_and_never_routed(
 async def test_metrics_are_not_served_on_the_public_port(tmp_path: Path) -> None:
     """Threat: anyone who reaches the public port reads ``/metrics`` without a key and learns every
     tenant's name, traffic and the engine replicas' URLs (the probe got 200)."""
-    async with attack(tmp_path, [TenantSpec("secret-bank")]) as env:
+    async with attack(tmp_path, [TenantRow("secret-bank")]) as env:
         await env.chat(env.auth("secret-bank"))
         for headers in ({}, env.auth("secret-bank")):
             async with env.http.get(env.gateway.url + "/metrics", headers=headers) as r:
@@ -220,7 +220,7 @@ async def test_slow_loris_connections_are_closed_and_bounded(tmp_path: Path) -> 
     header_timeout, bound, attackers = 1.5, 40, 120
     async with attack(
         tmp_path,
-        [TenantSpec("acme")],
+        [TenantRow("acme")],
         "--header-timeout",
         str(header_timeout),
         "--max-connections",
@@ -284,7 +284,7 @@ async def test_idle_and_slow_body_connections_are_closed(tmp_path: Path) -> None
     """Threat: connections that send a request and then nothing (idle keep-alive), or send a body a
     trickle at a time, each hold a descriptor and a handler for as long as the client likes."""
     async with attack(
-        tmp_path, [TenantSpec("acme")], "--idle-timeout", "1", "--body-timeout", "1", "--header-timeout", "5"
+        tmp_path, [TenantRow("acme")], "--idle-timeout", "1", "--body-timeout", "1", "--header-timeout", "5"
     ) as env:
         host, port = env.gateway.host_port
         reader, writer = await asyncio.open_connection(host, port)
@@ -311,7 +311,7 @@ async def test_idle_and_slow_body_connections_are_closed(tmp_path: Path) -> None
 async def test_authentication_comes_before_the_body(tmp_path: Path) -> None:
     """Threat: an attacker without a key makes the gateway read (and hold) large bodies before it
     checks the key, so anyone on the network can spend the gateway's memory and time."""
-    async with attack(tmp_path, [TenantSpec("acme")], "--max-body-bytes", str(1 << 20)) as env:
+    async with attack(tmp_path, [TenantRow("acme")], "--max-body-bytes", str(1 << 20)) as env:
         bad = b"Authorization: Bearer sk-wrong\r\n"
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         # 50 MB announced, nothing sent: the answer cannot depend on the body.
@@ -370,7 +370,7 @@ async def test_big_bodies_from_one_tenant_do_not_stall_another(tmp_path: Path) -
     """Threat: one tenant sends 4 MiB JSON bodies of empty objects, which are expensive to parse, so the
     event loop that serves every tenant stalls; the probe saw another tenant's p99 go from 9 ms to 3.9 s
     and 13% of its requests answered 503."""
-    tenants = [TenantSpec("noisy"), TenantSpec("quiet")]
+    tenants = [TenantRow("noisy"), TenantRow("quiet")]
     body = _empty_objects_body("a-model-noisy-may-not-use", 4 * 1024 * 1024 - 100)  # under the limit
     body_path = tmp_path / "noisy-body.json"
     body_path.write_bytes(body)
@@ -405,7 +405,7 @@ async def test_big_bodies_from_one_tenant_do_not_stall_another(tmp_path: Path) -
 async def test_request_bodies_in_memory_are_bounded(tmp_path: Path) -> None:
     """Threat: many concurrent large bodies are all held in memory at once (the probe: 300 concurrent
     valid 4 MiB bodies took the gateway to 1.56 GiB), until the gateway is killed for memory."""
-    tenants = [TenantSpec(f"t{i}") for i in range(4)]
+    tenants = [TenantRow(f"t{i}") for i in range(4)]
     mib = 1024 * 1024
     async with attack(
         tmp_path,
@@ -448,7 +448,7 @@ async def test_nested_json_and_invalid_utf8_get_400_never_500(tmp_path: Path) ->
     """Threat: malformed input (JSON nested hundreds deep inside ``content``, invalid UTF-8 in the body or
     in ``Authorization``) crashes a request handler (the probe got 500 from about 1 KB of nesting), which
     is a cheap way to make the gateway fail and fill its error logs."""
-    async with attack(tmp_path, [TenantSpec("acme")]) as env:
+    async with attack(tmp_path, [TenantRow("acme")]) as env:
         url = env.gateway.url + "/v1/chat/completions"
 
         def chat_body(content: bytes) -> bytes:
@@ -498,10 +498,10 @@ async def test_n_128_without_max_tokens_is_refused_and_does_not_lock_the_tenant_
     """Threat: a request with ``n: 128`` and no ``max_tokens`` is admitted as if it were one sequence of
     256 tokens; it can hold far more KV than the tenant's burst cap (taking other tenants' cached blocks)
     and its token debt locked the tenant out for about 7 hours (``Retry-After: 25105``) in the probe."""
-    greedy = TenantSpec(
+    greedy = TenantRow(
         "greedy", hbm_burst_blocks=28, rate_limits=RateLimits(tokens_per_minute=6000, requests_per_minute=600)
     )
-    async with attack(tmp_path, [greedy, TenantSpec("neighbour")]) as env:
+    async with attack(tmp_path, [greedy, TenantRow("neighbour")]) as env:
         status, data, headers = await env.chat(env.auth("greedy"), n=128)
         assert (
             status == 400 and data["error"]["code"] == "request_too_large" and data["error"]["param"] == "n"
@@ -527,8 +527,8 @@ async def test_n_128_without_max_tokens_is_refused_and_does_not_lock_the_tenant_
 async def test_rate_limit_headers_and_each_replica_enforces_its_share(tmp_path: Path) -> None:
     """Threat: rate limits that apply per gateway replica let a tenant send N times its limit through N
     replicas, and clients get no ``x-ratelimit-*`` headers to pace themselves by (the probe: none)."""
-    limited = TenantSpec("limited", rate_limits=RateLimits(requests_per_minute=60, tokens_per_minute=100_000))
-    async with attack(tmp_path, [limited, TenantSpec("free")], "--replicas", "2") as env:
+    limited = TenantRow("limited", rate_limits=RateLimits(requests_per_minute=60, tokens_per_minute=100_000))
+    async with attack(tmp_path, [limited, TenantRow("free")], "--replicas", "2") as env:
         seen: list[int] = []
         for _ in range(30):
             status, _, headers = await env.chat(env.auth("limited"), max_tokens=5)
@@ -562,7 +562,7 @@ async def test_a_request_is_never_sent_upstream_twice(tmp_path: Path) -> None:
         fake_engines(1) as healthy,
         aiohttp.ClientSession() as http,
     ):
-        tenants = [TenantSpec("acme")]
+        tenants = [TenantRow("acme")]
         table = build_table(tenants, {"shared": [dropping[0].url, healthy[0].url]})
         keys, plain = build_keys(tenants)
         config, keys_path = write_config(tmp_path, table, keys)
@@ -607,7 +607,7 @@ async def test_a_broken_stream_ends_with_an_error_event(tmp_path: Path) -> None:
     end, taking a truncated answer for a complete one (and nothing tells it to retry)."""
     reply = {"reply": "one two three four five six", "stream_chunks": 6}
     for failure in ({"break_stream_after": 2}, {"omit_done": True}):
-        async with attack(tmp_path, [TenantSpec("acme")], engine_kwargs={**reply, **failure}) as env:
+        async with attack(tmp_path, [TenantRow("acme")], engine_kwargs={**reply, **failure}) as env:
             async with env.http.post(
                 env.gateway.url + "/v1/chat/completions",
                 json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},

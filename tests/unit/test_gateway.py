@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway_support import (
     MODEL,
     FakeEngine,
-    TenantSpec,
+    TenantRow,
     build_keys,
     build_table,
     fake_engines,
@@ -71,7 +71,7 @@ class Env:
 @contextlib.asynccontextmanager
 async def gateway_env(
     tmp_path: Path,
-    tenants: list[TenantSpec],
+    tenants: list[TenantRow],
     n_engines: int = 1,
     engine_kwargs: dict[str, Any] | None = None,
     extra_endpoints: list[str] | None = None,
@@ -91,8 +91,8 @@ async def gateway_env(
             yield Env(url, gateway, engines, plain, keyfile, config, keys_path, http)
 
 
-ACME = TenantSpec("acme", tier=SlaTier.PREMIUM, keys=2)
-BETA = TenantSpec("beta", tier=SlaTier.BASIC)
+ACME = TenantRow("acme", tier=SlaTier.PREMIUM, keys=2)
+BETA = TenantRow("beta", tier=SlaTier.BASIC)
 
 
 # -- auth -----------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ async def test_valid_keys_during_rotation_authenticate_and_others_get_401(tmp_pa
 
 
 async def test_model_not_allowed_is_403_and_models_lists_only_allowed(tmp_path: Path) -> None:
-    other = TenantSpec("other", models=(MODEL, "big-model"))
+    other = TenantRow("other", models=(MODEL, "big-model"))
     async with gateway_env(tmp_path, [ACME, other]) as env:
         _, data, _ = await env.chat("acme", status=403, model="big-model")
         assert data["error"]["code"] == "model_not_allowed"
@@ -165,10 +165,10 @@ async def test_client_salt_priority_and_routing_hints_are_replaced(tmp_path: Pat
 
 async def test_shared_tenants_share_the_pool_salt_and_salted_ones_do_not(tmp_path: Path) -> None:
     tenants = [
-        TenantSpec("s1", isolation=Isolation.SHARED),
-        TenantSpec("s2", isolation=Isolation.SHARED),
-        TenantSpec("a1"),
-        TenantSpec("a2"),
+        TenantRow("s1", isolation=Isolation.SHARED),
+        TenantRow("s2", isolation=Isolation.SHARED),
+        TenantRow("a1"),
+        TenantRow("a2"),
     ]
     async with gateway_env(tmp_path, tenants) as env:
         salts = {}
@@ -181,7 +181,7 @@ async def test_shared_tenants_share_the_pool_salt_and_salted_ones_do_not(tmp_pat
 
 async def test_dedicated_tenant_goes_to_its_own_pool(tmp_path: Path) -> None:
     async with fake_engines(1) as dedicated:
-        ded = TenantSpec("bank", isolation=Isolation.DEDICATED, pool="bank-pool")
+        ded = TenantRow("bank", isolation=Isolation.DEDICATED, pool="bank-pool")
         async with gateway_env(tmp_path, [ACME, ded]) as env:
             # Point the dedicated pool at its own engine through a reload.
             table = build_table(
@@ -197,7 +197,7 @@ async def test_dedicated_tenant_goes_to_its_own_pool(tmp_path: Path) -> None:
 
 # -- admission ------------------------------------------------------------------------------------------
 async def test_requests_per_minute_gives_429_with_retry_after(tmp_path: Path) -> None:
-    t = TenantSpec("rl", rate_limits=RateLimits(requests_per_minute=2))
+    t = TenantRow("rl", rate_limits=RateLimits(requests_per_minute=2))
     async with gateway_env(tmp_path, [t, BETA]) as env:
         await env.chat("rl")
         await env.chat("rl")
@@ -210,7 +210,7 @@ async def test_requests_per_minute_gives_429_with_retry_after(tmp_path: Path) ->
 
 
 async def test_tokens_per_minute_counts_the_estimate_and_reconciles_usage(tmp_path: Path) -> None:
-    t = TenantSpec("tpm", rate_limits=RateLimits(tokens_per_minute=400))
+    t = TenantRow("tpm", rate_limits=RateLimits(tokens_per_minute=400))
     async with gateway_env(tmp_path, [t]) as env:
         await env.chat("tpm", content="x" * 400, max_tokens=150)  # ~100 + 4 + 150 estimated
         gate = env.gateway.gates["tpm"]
@@ -229,7 +229,7 @@ async def test_tokens_per_minute_counts_the_estimate_and_reconciles_usage(tmp_pa
 
 
 async def test_max_concurrent_queues_then_times_out_with_429(tmp_path: Path) -> None:
-    t = TenantSpec("c1", rate_limits=RateLimits(max_concurrent=1))
+    t = TenantRow("c1", rate_limits=RateLimits(max_concurrent=1))
     async with gateway_env(tmp_path, [t], engine_kwargs={"delay_s": 0.3}, max_queue_wait_s=2.0) as env:
         results = await asyncio.gather(env.chat("c1"), env.chat("c1"))
         assert all(r[0] == 200 for r in results)
@@ -246,7 +246,7 @@ async def test_max_concurrent_queues_then_times_out_with_429(tmp_path: Path) -> 
 
 async def test_kv_budget_queues_requests_beyond_the_burst_limit(tmp_path: Path) -> None:
     # burst 10 blocks x 16 tokens = 160 tokens; each request is ~4 + 4 + 100 tokens -> one at a time.
-    t = TenantSpec("kv", hbm_burst_blocks=10)
+    t = TenantRow("kv", hbm_burst_blocks=10)
     async with gateway_env(tmp_path, [t], engine_kwargs={"delay_s": 0.2}, max_queue_wait_s=5.0) as env:
         results = await asyncio.gather(*(env.chat("kv", max_tokens=100) for _ in range(3)))
         assert [r[0] for r in results] == [200, 200, 200]
@@ -292,7 +292,7 @@ async def test_connect_error_fails_over_and_no_healthy_replica_is_503(tmp_path: 
 
 
 async def test_unreachable_pool_is_503_and_not_ready(tmp_path: Path) -> None:
-    t = TenantSpec("lonely", pool="empty")
+    t = TenantRow("lonely", pool="empty")
     async with gateway_env(tmp_path, [t], n_engines=1) as env:
         table = build_table([t], {"shared": [env.engines[0].url], "empty": [free_closed_port_url()]})
         env.config.write_text(json.dumps(table.model_dump(mode="json")))
@@ -386,7 +386,7 @@ async def test_hot_reload_adds_tenants_keeps_in_flight_and_survives_a_bad_table(
     async with gateway_env(tmp_path, [ACME], engine_kwargs={"delay_s": 0.5}) as env:
         in_flight = asyncio.create_task(env.chat("acme"))
         await _until(lambda: env.gateway.gates["acme"].in_flight == 1)
-        newcomer = TenantSpec("newcomer")
+        newcomer = TenantRow("newcomer")
         table = build_table([ACME, newcomer], {"shared": [env.engines[0].url]})
         keyfile, plain = build_keys([newcomer], env.keyfile.salt_key_hex)
         keyfile = KeyFile(
@@ -413,10 +413,10 @@ async def test_hot_reload_adds_tenants_keeps_in_flight_and_survives_a_bad_table(
 
 
 async def test_a_removed_tenant_finishes_its_request_and_then_leaves_no_gate_behind(tmp_path: Path) -> None:
-    async with gateway_env(tmp_path, [ACME, TenantSpec("other")], engine_kwargs={"delay_s": 0.5}) as env:
+    async with gateway_env(tmp_path, [ACME, TenantRow("other")], engine_kwargs={"delay_s": 0.5}) as env:
         in_flight = asyncio.create_task(env.chat("acme"))
         await _until(lambda: env.gateway.gates["acme"].in_flight == 1)
-        table = build_table([TenantSpec("other")], {"shared": [env.engines[0].url]})
+        table = build_table([TenantRow("other")], {"shared": [env.engines[0].url]})
         env.config.write_text(json.dumps(table.model_dump(mode="json")))
         await _until(lambda: "acme" not in (env.gateway.snapshot.tenants if env.gateway.snapshot else {}))
         assert "acme" in env.gateway.gates  # still in flight: its gate stays until the answer is back
@@ -443,7 +443,7 @@ async def test_reload_follows_a_configmap_style_symlink_swap(tmp_path: Path) -> 
             config_path=mount / "tenants.json", keys_path=mount / "keys.json", reload_interval_s=0.05
         )
         async with running_gateway(s) as (url, gateway), aiohttp.ClientSession() as http:
-            beta = TenantSpec("beta")
+            beta = TenantRow("beta")
             table2 = build_table([ACME, beta], {"shared": [engines[0].url]})
             kf2, plain2 = build_keys([beta], keyfile.salt_key_hex)
             kf2 = KeyFile(

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gateway_support import TenantSpec, build_keys, build_table
+from gateway_support import TenantRow, build_keys, build_table
 from kvfleet_runtime.cli import main
 from kvfleet_runtime.config import KeyFile, TenantTable
 from kvfleet_runtime.config_watch import describe_error
@@ -257,7 +257,7 @@ def test_request_id_round_trips_through_vllm_prefixes() -> None:
 
 # -- snapshot and auth ----------------------------------------------------------------------------------
 def test_authenticate_by_hash_with_rotation_and_rejects_everything_else() -> None:
-    tenants = [TenantSpec("a", keys=2), TenantSpec("b")]
+    tenants = [TenantRow("a", keys=2), TenantRow("b")]
     table = build_table(tenants, {"shared": ["http://e:1"]})
     keys, plain = build_keys(tenants)
     snap = build_snapshot(table, keys)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway_support import MODEL, FakeEngine, TenantSpec, build_keys, build_table, write_config
+from gateway_support import MODEL, FakeEngine, TenantRow, build_keys, build_table, write_config
 from kvfleet_runtime.gateway.server import GatewaySettings, running_gateway
 
 MAX_BODY = 64 * 1024
@@ -44,7 +44,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     async def main() -> None:
         engine = FakeEngine()
         await engine.start()
-        tenants = [TenantSpec("fuzz")]
+        tenants = [TenantRow("fuzz")]
         keyfile, plain = build_keys(tenants)
         config, keys_path = write_config(tmp, build_table(tenants, {"shared": [engine.url]}), keyfile)
         s = GatewaySettings(

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway_support import MODEL, TenantSpec, build_keys, build_table
+from gateway_support import MODEL, TenantRow, build_keys, build_table
 from kvfleet_runtime.config import KeyFile, hash_api_key
 from kvfleet_runtime.gateway.admission import (
     BodyBudget,
@@ -303,7 +303,7 @@ def test_refusals_survive_the_trip_back_from_a_parse_worker() -> None:
 def test_a_key_listed_by_two_tenants_is_refused_for_both_and_logged_without_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    tenants = [TenantSpec("a", keys=2), TenantSpec("b"), TenantSpec("c")]
+    tenants = [TenantRow("a", keys=2), TenantRow("b"), TenantRow("c")]
     table = build_table(tenants, {"shared": ["http://e:1"]})
     keys, plain = build_keys(tenants)
     shared = plain["a"][0]
@@ -325,7 +325,7 @@ def test_a_key_listed_by_two_tenants_is_refused_for_both_and_logged_without_it(
 
 
 def test_one_tenant_listing_a_key_twice_is_not_ambiguous() -> None:
-    tenants = [TenantSpec("a")]
+    tenants = [TenantRow("a")]
     keys, plain = build_keys(tenants)
     digest = keys.key_hashes["a"][0]
     snap = build_snapshot(

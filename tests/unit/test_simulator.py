@@ -20,7 +20,7 @@ from kvfleet_runtime.config import (
     TierTTLs,
 )
 from kvfleet_runtime.kv.simulate_cli import build_table_tenants, run_simulate
-from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, TenantSpec, compute_unit_keys, simulate
+from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulatedTenant, compute_unit_keys, simulate
 from kvfleet_runtime.kv.workloads import (
     Request,
     TenantLoad,
@@ -51,7 +51,7 @@ def test_unit_keys_chain_over_segments_and_salt() -> None:
 def test_repeated_prompt_hits_after_the_first_request_and_classifies_tokens() -> None:
     fleet = FleetSpec(replicas=1, unit_tokens=UNIT, hbm_units_per_replica=100, prefill_tokens_per_second=1000)
     reqs = [req(0.0, "a", [(1, 64)]), req(10.0, "a", [(1, 64), (2, 20)])]
-    result = simulate(reqs, fleet, POLICIES["lru"], [TenantSpec("a")])
+    result = simulate(reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")])
     report = result.tenants["a"]
     assert report.prompt_tokens == 148
     assert report.hit_tokens["hbm"] == 64
@@ -67,9 +67,9 @@ def test_evicted_prefix_counts_as_recompute_and_offload_tier_recovers_it() -> No
         req(10.0, "a", [(2, 64)]),  # evicts it
         req(20.0, "a", [(1, 64)]),
     ]
-    only_hbm = simulate(reqs, fleet, POLICIES["lru"], [TenantSpec("a")]).tenants["a"]
+    only_hbm = simulate(reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")]).tenants["a"]
     assert only_hbm.recomputed_tokens == 64
-    with_cpu = simulate(reqs, fleet, POLICIES["lmcache"], [TenantSpec("a")]).tenants["a"]
+    with_cpu = simulate(reqs, fleet, POLICIES["lmcache"], [SimulatedTenant("a")]).tenants["a"]
     assert with_cpu.recomputed_tokens == 0
     assert with_cpu.hit_tokens["cpu"] == 64
     assert with_cpu.evictions["hbm"]["lru"] >= 4
@@ -84,16 +84,16 @@ def test_nvme_catches_what_cpu_drops() -> None:
         nvme_units_per_replica=16,
     )
     reqs = [req(float(i * 10), "a", [(i + 1, 64)]) for i in range(3)] + [req(40.0, "a", [(1, 64)])]
-    report = simulate(reqs, fleet, POLICIES["lmcache"], [TenantSpec("a")]).tenants["a"]
+    report = simulate(reqs, fleet, POLICIES["lmcache"], [SimulatedTenant("a")]).tenants["a"]
     assert report.hit_tokens["nvme"] == 64
     assert report.recomputed_tokens == 0
 
 
 def test_session_affinity_spreads_sessions_and_distributed_tier_is_shared() -> None:
     fleet = FleetSpec(replicas=2, unit_tokens=UNIT, hbm_units_per_replica=4, cpu_units_per_replica=4)
-    result = simulate([], fleet, POLICIES["distributed"], [TenantSpec("a")])
+    result = simulate([], fleet, POLICIES["distributed"], [SimulatedTenant("a")])
     assert result.capacity == {"hbm": 8, "cpu": 8, "nvme": 0}
-    local = simulate([], fleet, POLICIES["lmcache"], [TenantSpec("a")])
+    local = simulate([], fleet, POLICIES["lmcache"], [SimulatedTenant("a")])
     assert local.capacity == {"hbm": 8, "cpu": 8, "nvme": 0}
 
 
@@ -103,7 +103,7 @@ def test_kvfleet_protects_a_quiet_tenant_from_a_flood_where_lru_does_not() -> No
     fleet = FleetSpec(replicas=1, unit_tokens=256, hbm_units_per_replica=1024)
     quiet = [TenantLoad("quiet", 10)]
     reqs = build_noisy_neighbour(quiet, "noisy", 300.0, quiet_interval_seconds=1.0, noisy_qps=10.0)
-    specs = [TenantSpec("quiet", share=0.5), TenantSpec("noisy", SlaTier.BASIC, share=0.2)]
+    specs = [SimulatedTenant("quiet", share=0.5), SimulatedTenant("noisy", SlaTier.BASIC, share=0.2)]
     lru = simulate(reqs, fleet, POLICIES["lru"], specs, warmup_seconds=60).tenants["quiet"]
     kvfleet = simulate(reqs, fleet, POLICIES["kvfleet"], specs, warmup_seconds=60)
     assert lru.hit_rate < 0.1
@@ -114,7 +114,7 @@ def test_kvfleet_protects_a_quiet_tenant_from_a_flood_where_lru_does_not() -> No
 
 def test_governed_tiers_evict_idle_entries_by_ttl() -> None:
     fleet = FleetSpec(replicas=1, unit_tokens=UNIT, hbm_units_per_replica=4)
-    spec = TenantSpec("a", share=1.0)
+    spec = SimulatedTenant("a", share=1.0)
     reqs = [req(0.0, "a", [(1, 64)]), req(100.0, "a", [(2, 64)])]
     result = simulate(reqs, fleet, POLICIES["kvfleet"], [spec])
     assert result.tenants["a"].evictions["hbm"] == {"ttl": 4}
@@ -123,7 +123,7 @@ def test_governed_tiers_evict_idle_entries_by_ttl() -> None:
 def test_occupancy_and_hit_rate_timelines_are_sampled() -> None:
     fleet = FleetSpec(replicas=1, unit_tokens=UNIT, hbm_units_per_replica=100)
     reqs = [req(float(t), "a", [(1, 64)]) for t in range(0, 300, 10)]
-    result = simulate(reqs, fleet, POLICIES["lru"], [TenantSpec("a")], sample_seconds=60)
+    result = simulate(reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")], sample_seconds=60)
     assert result.times[:3] == [0.0, 60.0, 120.0]
     assert result.occupancy["hbm"]["a"][-1] == 4
     timeline = result.hit_rate_timeline["a"]

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfleet_runtime.config import PLUGIN_DEBUG_PORT, TenantTable
+from kvfleet_runtime.config import PLUGIN_DEBUG_PORT, PLUGIN_METRICS_PORT, TenantTable
 from kvfleet_runtime.config_watch import RuntimeConfig, RuntimeConfigWatcher
 from kvfleet_runtime.engine.attribution import UNATTRIBUTED, Attribution, build_attribution
 
@@ -69,7 +69,8 @@ ENV_METRICS_PORT = "KVFLEET_PLUGIN_METRICS_PORT"
 ENV_METRICS_HOST = "KVFLEET_PLUGIN_METRICS_HOST"
 ENV_METRICS_UPSTREAMS = "KVFLEET_PLUGIN_METRICS_UPSTREAMS"
 ENV_DEBUG_PORT = "KVFLEET_PLUGIN_DEBUG_PORT"
-DEFAULT_METRICS_PORT = 8001
+#: Where the plugin serves metrics when the table names no engine settings (the pod's metrics port).
+DEFAULT_METRICS_PORT = PLUGIN_METRICS_PORT
 
 _UPSTREAM_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 

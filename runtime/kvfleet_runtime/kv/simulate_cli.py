@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from kvfleet_runtime.config import PoolEntry, SlaTier, TenantTable, TierTTLs
 from kvfleet_runtime.kv.plan_cli import build_plan_request
 from kvfleet_runtime.kv.presets import PRESETS
-from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulationResult, TenantSpec, simulate
+from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulatedTenant, SimulationResult, simulate
 from kvfleet_runtime.kv.sizing import (
     DEFAULT_NVME_GBPS,
     DEFAULT_PCIE_GBPS,
@@ -210,14 +210,14 @@ def build_fleet_spec(args: argparse.Namespace) -> FleetSpec:
     )
 
 
-def parse_tenant(text: str, ttl: TierTTLs) -> tuple[TenantSpec, int]:
+def parse_tenant(text: str, ttl: TierTTLs) -> tuple[SimulatedTenant, int]:
     """``NAME:SLA:SHARE:SESSIONS`` -> (spec, sessions)."""
     parts = text.split(":")
     if len(parts) != 4:
         raise SimulateError(f"--tenant {text!r}: want NAME:SLA:SHARE:SESSIONS, e.g. acme:premium:0.3:200")
     name, sla, share, sessions = parts
     try:
-        spec = TenantSpec(name=name, sla=SlaTier(sla), share=float(share), ttl=ttl)
+        spec = SimulatedTenant(name=name, sla=SlaTier(sla), share=float(share), ttl=ttl)
         count = int(sessions)
     except ValueError as exc:
         raise SimulateError(f"--tenant {text!r}: {exc}") from None
@@ -241,7 +241,7 @@ def _table_pool(args: argparse.Namespace) -> PoolEntry:
     return table.pools[name]
 
 
-def build_table_tenants(args: argparse.Namespace) -> list[TenantSpec]:
+def build_table_tenants(args: argparse.Namespace) -> list[SimulatedTenant]:
     """The pool's tenants with their tier, quotas (as shares of each tier), TTLs and salt group."""
     table = _load_table(args)
     pool = _table_pool(args)
@@ -250,7 +250,7 @@ def build_table_tenants(args: argparse.Namespace) -> list[TenantSpec]:
         return min(1.0, part / whole) if whole else 0.0
 
     return [
-        TenantSpec(
+        SimulatedTenant(
             name=t.name,
             sla=t.tier,
             share=ratio(t.quota.hbm_blocks, pool.hbm_blocks_per_replica),
@@ -265,9 +265,9 @@ def build_table_tenants(args: argparse.Namespace) -> list[TenantSpec]:
     ]
 
 
-def build_tenants(args: argparse.Namespace) -> tuple[list[TenantSpec], list[TenantLoad]]:
+def build_tenants(args: argparse.Namespace) -> tuple[list[SimulatedTenant], list[TenantLoad]]:
     ttl = TierTTLs(hbm_seconds=args.hbm_ttl, cpu_seconds=args.cpu_ttl, nvme_seconds=args.nvme_ttl)
-    specs: list[TenantSpec] = []
+    specs: list[SimulatedTenant] = []
     loads: list[TenantLoad] = []
     if args.tenant_table:
         specs = build_table_tenants(args)
@@ -280,7 +280,7 @@ def build_tenants(args: argparse.Namespace) -> tuple[list[TenantSpec], list[Tena
     if args.workload == "noisy-neighbour" and not args.trace:
         noisy = args.noisy or "noisy"
         if noisy not in {s.name for s in specs}:
-            specs.append(TenantSpec(name=noisy, sla=SlaTier.BASIC, share=0.0, ttl=ttl))
+            specs.append(SimulatedTenant(name=noisy, sla=SlaTier.BASIC, share=0.0, ttl=ttl))
     return specs, loads
 
 

@@ -1,7 +1,7 @@
 """The KV simulator: replays a workload through the policy core over HBM → CPU → NVMe tiers.
 
 Pure (no I/O): :func:`simulate` takes requests, a :class:`FleetSpec`, a :class:`PolicySpec` and the
-tenants' :class:`TenantSpec`, and returns a :class:`SimulationResult`. ``kvfleet simulate`` is its shell.
+tenants' :class:`SimulatedTenant`, and returns a :class:`SimulationResult`. ``kvfleet simulate`` is its shell.
 
 Model
 -----
@@ -22,7 +22,7 @@ Model
   (the replicas' capacities pooled) serve all replicas, like LMCache's distributed mode.
 * Ungoverned policies (``lru``, ``lmcache``, ``distributed``) run the same core with every tenant's
   quota set to the tier size, no burst cap and no TTL: pure global LRU. ``kvfleet`` gives each tenant its
-  quota share, the burst cap and the TTLs of :class:`TenantSpec`.
+  quota share, the burst cap and the TTLs of :class:`SimulatedTenant`.
 
 Metrics per tenant (requests arriving after ``warmup_seconds``): prompt tokens; hit tokens by tier;
 *recomputed* tokens (tokens of units that had been computed before somewhere in the fleet but were found
@@ -50,9 +50,9 @@ __all__ = [
     "POLICIES",
     "FleetSpec",
     "PolicySpec",
+    "SimulatedTenant",
     "SimulationResult",
     "TenantReport",
-    "TenantSpec",
     "compute_unit_keys",
     "simulate",
 ]
@@ -61,7 +61,7 @@ _TIERS: tuple[KVTier, ...] = (KVTier.HBM, KVTier.CPU, KVTier.NVME)
 
 
 @dataclass(frozen=True, slots=True)
-class TenantSpec:
+class SimulatedTenant:
     """A tenant as the simulator governs it."""
 
     name: str
@@ -259,7 +259,7 @@ class _InFlight:
 class _Fleet:
     """The tiers of every replica and the replay loop."""
 
-    def __init__(self, fleet: FleetSpec, policy: PolicySpec, tenants: Sequence[TenantSpec]) -> None:
+    def __init__(self, fleet: FleetSpec, policy: PolicySpec, tenants: Sequence[SimulatedTenant]) -> None:
         self.spec = fleet
         self.policy = policy
         self.hbm = [
@@ -274,7 +274,7 @@ class _Fleet:
         self.seen: set[int] = set()
 
     def _offload(
-        self, tier: KVTier, units: int, enabled: bool, tenants: Sequence[TenantSpec]
+        self, tier: KVTier, units: int, enabled: bool, tenants: Sequence[SimulatedTenant]
     ) -> list[TierPolicy | None]:
         if not enabled or units <= 0:
             return [None] * self.spec.replicas
@@ -283,7 +283,7 @@ class _Fleet:
             return [shared] * self.spec.replicas
         return [self._tier(tier, units, tenants) for _ in range(self.spec.replicas)]
 
-    def _tier(self, tier: KVTier, capacity: int, tenants: Sequence[TenantSpec]) -> TierPolicy:
+    def _tier(self, tier: KVTier, capacity: int, tenants: Sequence[SimulatedTenant]) -> TierPolicy:
         if not self.policy.governed:
             # Plain LRU through the same core: nobody is ever over quota, over burst or expired.
             everyone = TenantLimits(quota=capacity, burst=sys.maxsize, ttl_seconds=math.inf)
@@ -337,7 +337,7 @@ def simulate(
     requests: Sequence[Request],
     fleet: FleetSpec,
     policy: PolicySpec,
-    tenants: Sequence[TenantSpec],
+    tenants: Sequence[SimulatedTenant],
     warmup_seconds: float = 0.0,
     sample_seconds: float = 60.0,
 ) -> SimulationResult:
