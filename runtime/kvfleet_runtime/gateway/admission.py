@@ -312,6 +312,7 @@ class TenantGate:
         self.in_flight = 0
         self.kv_in_flight = 0
         self._waiters: deque[_Waiter] = deque()
+        self._header_plan: tuple[tuple[TokenBucket, tuple[str, ...], str], ...] = ()
         self.update_limits(limits)
 
     @property
@@ -323,6 +324,13 @@ class TenantGate:
         self.limits = limits
         self.rpm = self._bucket(self.rpm, limits.requests_share)
         self.tpm = self._bucket(self.tpm, limits.tokens_share)
+        # What ``rate_limit_headers`` writes for each bucket that is set; the limit's text only changes
+        # here, so it is formatted once, not per response.
+        self._header_plan = tuple(
+            (bucket, names, str(max(1, int(bucket.capacity))))
+            for bucket, names in ((self.rpm, _REQUEST_HEADERS), (self.tpm, _TOKEN_HEADERS))
+            if bucket is not None
+        )
         self._wake()
 
     def _bucket(self, bucket: TokenBucket | None, per_minute: float | None) -> TokenBucket | None:
@@ -352,12 +360,11 @@ class TenantGate:
     def rate_limit_headers(self) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*`` headers for this replica's buckets (a trio per limit that is set)."""
         headers: dict[str, str] = {}
-        for bucket, (limit, remaining, reset) in ((self.rpm, _REQUEST_HEADERS), (self.tpm, _TOKEN_HEADERS)):
-            if bucket is not None:
-                left = bucket.seconds_to_full()  # refills: the level below is current
-                headers[limit] = str(max(1, int(bucket.capacity)))
-                headers[remaining] = str(max(0, int(bucket.level)))
-                headers[reset] = format_reset(left)
+        for bucket, (limit, remaining, reset), limit_text in self._header_plan:
+            left = bucket.seconds_to_full()  # refills: the level below is current
+            headers[limit] = limit_text
+            headers[remaining] = str(max(0, int(bucket.level)))
+            headers[reset] = format_reset(left)
         return headers
 
     def _blocker(self, kv_tokens: int) -> str | None:

@@ -145,10 +145,11 @@ class _Guard(asyncio.Protocol):
             self._state = _IDLE
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        if self._state != _REQUEST:
-            if self._state == _IDLE:
+        state = self._state
+        if state != _REQUEST:
+            if self._refused:
+                return
+            if state == _IDLE:
                 self._begin_headers()
             self._scan(data)
         self._inner.data_received(data)
@@ -160,8 +161,11 @@ class _Guard(asyncio.Protocol):
             if not data:
                 return
             self._started = True
+        if b"\r\n\r\n" in data or b"\n\n" in data:  # the usual case: a whole header block in one read
+            self._end_headers()
+            return
         seam = self._tail + data[:3]
-        if b"\r\n\r\n" in data or b"\n\n" in data or b"\r\n\r\n" in seam or b"\n\n" in seam:
+        if b"\r\n\r\n" in seam or b"\n\n" in seam:
             self._end_headers()
         else:
             self._tail = (self._tail + data)[-3:]

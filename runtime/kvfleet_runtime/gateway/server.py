@@ -139,6 +139,14 @@ def stream_error_event(message: str) -> bytes:
     return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+def _check_body_complete(size: int, length: int | None) -> None:
+    """``BadRequest`` for a body read that is empty or shorter than its ``Content-Length``."""
+    if not size:
+        raise BadRequest("the request body is empty; send a JSON object")
+    if length is not None and size != length:
+        raise BadRequest(f"the request body ended after {size} of its {length} bytes")
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -445,6 +453,13 @@ class Gateway:
             if length > limit:
                 raise _BodyTooLarge
             reservation.grow(length)
+            content = request.content
+            if content.is_eof():
+                # All of it has already arrived (a small body comes with its headers): nothing can be
+                # waited for, so no timer is armed, and a body in one chunk is used as it is, not copied.
+                whole = content.read_nowait()
+                _check_body_complete(len(whole), length)
+                return whole
         # One buffer of the announced size, filled as chunks arrive: a body is held once, not twice.
         body = bytearray(length or 0)
         size = 0
@@ -459,10 +474,7 @@ class Gateway:
                 else:
                     body[size:end] = chunk  # aiohttp never delivers more than Content-Length
                 size = end
-        if not size:
-            raise BadRequest("the request body is empty; send a JSON object")
-        if length is not None and size != length:
-            raise BadRequest(f"the request body ended after {size} of its {length} bytes")
+        _check_body_complete(size, length)
         return body
 
     async def _prepare(
