@@ -36,6 +36,7 @@ from engine_fixtures import (
     ENGINE_TIMEOUT,
     STARTUP_TIMES,
     TINY_MODEL_DEPLOYMENT,
+    descendants,
     free_port,
     http_json,
     load_manifest,
@@ -75,22 +76,6 @@ class Pod:
 
     def url(self, flag: str, host: str | None = None) -> str:
         return f"http://{host or self.address}:{self.ports[flag]}"
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def get(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:

@@ -27,6 +27,7 @@ from engine_fixtures import (
     ENGINE_TIMEOUT,
     STARTUP_TIMES,
     TINY_MODEL_DEPLOYMENT,
+    descendants,
     free_port,
     http_json,
     http_text,
@@ -55,23 +56,6 @@ def swap_flags(argv: list[str], values: dict[str, str]) -> list[str]:
     for flag, value in values.items():
         out[out.index(flag) + 1] = value
     return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (Linux /proc), to stop what a killed launcher would leave."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 @pytest.fixture(scope="module")
