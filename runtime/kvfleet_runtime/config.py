@@ -36,6 +36,8 @@ LMCACHE_SYNC_METRICS_PORT = 8002  # the LMCache quota sync's metrics (pod loopba
 PLUGIN_DEBUG_PORT = 8003  # the engine plugin's /debug/kv (pod loopback only)
 LMCACHE_PORT = 6555  # LMCache's ZMQ port, where vLLM's LMCacheMPConnector connects (pod loopback)
 LMCACHE_HTTP_PORT = 6556  # LMCache's HTTP API (loopback): /healthcheck, /status, /quota, /cache, /metrics
+SHARED_TIER_PORT = 6557  # the pool's shared KV tier (RESP, from the pool's engine pods only)
+SHARED_TIER_METRICS_PORT = 6558  # the shared KV tier's Prometheus metrics (serves no KV)
 GATEWAY_PORT = 8080  # the gateway's OpenAI endpoint
 GATEWAY_METRICS_PORT = 8081  # the gateway's Prometheus metrics (serves no inference API)
 #: LMCache's default chunk, in tokens (``lmcache server --chunk-size``). LMCache stores, evicts and
@@ -155,6 +157,9 @@ class TenantEntry(_Model):
     quota: KVQuota
     ttl: TierTTLs = TierTTLs()
     rate_limits: RateLimits = RateLimits()
+    #: Weight in the gateway's fair queuing within the tier (``kv.fairness``); the Tenant's
+    #: ``fairShareWeight``.
+    fair_share_weight: PosFloat = 1.0
 
 
 class LMCacheSettings(_Model):
@@ -183,6 +188,12 @@ class LMCacheSettings(_Model):
     port: Port = LMCACHE_PORT
     #: ``--http-port``: the HTTP API (quotas, clear, status, metrics).
     http_port: Port = LMCACHE_HTTP_PORT
+    #: The pool's shared KV tier (``kvfleet engine shared-tier``, one per pool): an ``--l2-adapter``
+    #: ``{"type": "resp", "host": ..., "port": ...}`` after the NVMe one, so every chunk this replica
+    #: stores also goes there and a chunk no local tier holds is read from there. ``None``: no shared tier.
+    shared_host: str | None = None
+    #: The shared tier's port (``SHARED_TIER_PORT``).
+    shared_port: Port = SHARED_TIER_PORT
 
 
 class EngineSettings(_Model):

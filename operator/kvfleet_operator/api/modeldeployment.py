@@ -6,12 +6,14 @@ field names in camelCase), so the operator can size the KV cache with the runtim
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field, model_validator
 
 from kvfleet_operator.api.common import (
+    DNS_SUBDOMAIN_PATTERN,
     GPU_GROUP_LABEL,
     CelRule,
     Conditions,
@@ -19,7 +21,14 @@ from kvfleet_operator.api.common import (
     ObjectName,
     cel_rules_schema,
 )
-from kvfleet_operator.api.units import PositiveDuration, Quantity, ResourceQuantity, parse_duration
+from kvfleet_operator.api.units import (
+    Duration,
+    PositiveDuration,
+    Quantity,
+    ResourceQuantity,
+    parse_duration,
+    parse_quantity,
+)
 
 KIND_MODEL_DEPLOYMENT = "ModelDeployment"
 
@@ -81,7 +90,22 @@ class TaintEffect(StrEnum):
 
 PosInt = Annotated[int, Field(ge=1)]
 
+#: spec.pool.reservePerGpu: the planner's default
+#: (``kvfleet_runtime.kv.sizing.DEFAULT_RESERVE_BYTES_PER_GPU``) as a quantity. Written out because the
+#: API may not import the runtime's KV code; a unit test keeps the two equal.
+DEFAULT_RESERVE_PER_GPU = "2Gi"
+#: The extended resource a GPU engine requests unless spec.pool.gpuResource says otherwise.
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+#: spec.pool.cpuKvCacheSpace: whole GiB, because vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer.
+CPU_KV_CACHE_SPACE_PATTERN = r"^[1-9][0-9]{0,4}Gi$"
+
 # --- model --------------------------------------------------------------------------------------------
+
+
+class LocalName(CrdModel):
+    """A reference by name to an object in this namespace."""
+
+    name: ObjectName = Field(description="Its name.")
 
 
 class PvcSource(CrdModel):
@@ -103,19 +127,40 @@ RULE_ONE_SOURCE = CelRule(
     rule="(has(self.huggingFace) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.uri) ? 1 : 0) == 1",
     message="spec.model.source must set exactly one of huggingFace, pvc or uri",
 )
+#: vLLM loads object storage only by streaming it (``--load-format runai_streamer``), which reads s3:// and
+#: gs://; https://, oci:// and file:// were accepted once and went to ``vllm --model`` as they were.
+STREAMABLE_URI_SCHEMES = ("s3://", "gs://")
+RULE_URI_STREAMABLE = CelRule(
+    rule="!has(self.uri) || " + " || ".join(f"self.uri.startsWith('{s}')" for s in STREAMABLE_URI_SCHEMES),
+    message="spec.model.source.uri must be s3://bucket/path or gs://bucket/path (vLLM streams those with "
+    "its runai_streamer load format); for other places copy the weights to a PVC or use huggingFace",
+    field_path=".uri",
+)
+RULE_CACHE_CLAIM_HF_ONLY = CelRule(
+    rule="!has(self.cacheClaimName) || has(self.huggingFace)",
+    message="spec.model.source.cacheClaimName is the cache of a huggingFace download: pvc and uri sources "
+    "are read in place",
+    field_path=".cacheClaimName",
+)
 
 
 class ModelSource(CrdModel):
-    """Where the weights come from: exactly one of huggingFace, pvc, uri."""
+    """Where the weights come from: exactly one of huggingFace, pvc, uri (docs/operations.md, "Model
+    sources")."""
 
-    model_config = {"json_schema_extra": cel_rules_schema(RULE_ONE_SOURCE)}
+    model_config = {
+        "json_schema_extra": cel_rules_schema(RULE_ONE_SOURCE, RULE_URI_STREAMABLE, RULE_CACHE_CLAIM_HF_ONLY)
+    }
 
     hugging_face: Annotated[
         str | None,
         Field(
             max_length=256,
             pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$",
-            description="Hugging Face model id, e.g. Qwen/Qwen2.5-72B-Instruct.",
+            description="Hugging Face model id, e.g. Qwen/Qwen2.5-72B-Instruct, at spec.model.revision. An "
+            "init container downloads it into the model cache before the engine starts (vLLM then runs "
+            "offline); the revision is resolved to a commit once and every replica sharing the cache "
+            "serves that commit.",
         ),
     ] = None
     pvc: PvcSource | None = Field(default=None, description="Model files on a PersistentVolumeClaim.")
@@ -123,8 +168,27 @@ class ModelSource(CrdModel):
         str | None,
         Field(
             max_length=2048,
-            pattern=r"^(s3|gs|https?|oci|file)://.+$",
-            description="URI of the model files: s3://, gs://, https://, oci:// or file://.",
+            pattern=r"^[a-z0-9]+://.+$",
+            description="Object storage vLLM streams the safetensors from (load format runai_streamer): "
+            "s3://bucket/path (S3 or an S3-compatible store) or gs://bucket/path.",
+        ),
+    ] = None
+    credentials_secret_ref: LocalName | None = Field(
+        default=None,
+        description="Secret with the credentials to read the source, as environment variables of the step "
+        "that reads it: HF_TOKEN (and optionally HF_ENDPOINT, a mirror) for huggingFace; AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY and optionally AWS_ENDPOINT_URL, AWS_REGION for s3://; for gs:// the key "
+        "credentials.json (a service account key), mounted as GOOGLE_APPLICATION_CREDENTIALS.",
+    )
+    cache_claim_name: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=253,
+            pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+            description="huggingFace only: a ReadWriteMany PersistentVolumeClaim the pool's replicas share "
+            "as the model cache, so the model is downloaded once for the pool. Without it each replica "
+            "downloads into its own emptyDir (sized by the node's ephemeral storage).",
         ),
     ] = None
 
@@ -132,14 +196,22 @@ class ModelSource(CrdModel):
     def _exactly_one_source(self) -> Self:
         if sum(x is not None for x in (self.hugging_face, self.pvc, self.uri)) != 1:
             raise ValueError(RULE_ONE_SOURCE.message)
+        if self.uri is not None and not self.uri.startswith(STREAMABLE_URI_SCHEMES):
+            raise ValueError(RULE_URI_STREAMABLE.message)
+        if self.cache_claim_name is not None and self.hugging_face is None:
+            raise ValueError(RULE_CACHE_CLAIM_HF_ONLY.message)
         return self
 
 
+#: ``fromConfig`` is gone from the API (it was accepted and could never be admitted: the operator sizes the
+#: pool before any engine starts). A manifest that still sets it is refused as an unknown field under
+#: strict field validation (kubectl's default); a client that lets the API server prune it alone lands
+#: here, so the message says what replaces it.
 RULE_ARCH_ONE_WAY = CelRule(
-    rule="((has(self.fromConfig) && self.fromConfig) ? 1 : 0) + (has(self.preset) ? 1 : 0)"
-    " + (has(self.numLayers) ? 1 : 0) == 1",
-    message="spec.model.architecture must use exactly one of fromConfig: true, preset, or explicit "
-    "fields (numLayers, numAttentionHeads, numKvHeads, headDim, hiddenSize)",
+    rule="(has(self.preset) ? 1 : 0) + (has(self.numLayers) ? 1 : 0) == 1",
+    message="spec.model.architecture must use exactly one of preset or explicit fields (numLayers, "
+    "numAttentionHeads, numKvHeads, headDim, hiddenSize); fromConfig is no longer a field: "
+    "kvfleet plan --config-json config.json prints the explicit fields",
 )
 RULE_ARCH_EXPLICIT_COMPLETE = CelRule(
     rule="!has(self.numLayers) || (has(self.numAttentionHeads) && has(self.numKvHeads)"
@@ -175,7 +247,7 @@ _EXPLICIT_FIELDS = (
 
 
 class ArchitectureSpec(CrdModel):
-    """The model architecture, for KV sizing: fromConfig, a preset, or explicit fields.
+    """The model architecture, for KV sizing: a preset or explicit fields.
 
     Field names match ``kvfleet_runtime.kv.sizing.ModelArchitecture`` one to one.
     """
@@ -190,10 +262,6 @@ class ArchitectureSpec(CrdModel):
         )
     }
 
-    from_config: bool | None = Field(
-        default=None,
-        description="true: read the architecture from the model's config.json when the engine starts.",
-    )
     preset: ArchitecturePreset | None = Field(
         default=None,
         description="Name of a well-known architecture: llama-3.1-8b, llama-3.3-70b, qwen2.5-72b, "
@@ -238,8 +306,7 @@ class ArchitectureSpec(CrdModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        ways = int(bool(self.from_config)) + int(self.preset is not None) + int(self.num_layers is not None)
-        if ways != 1:
+        if int(self.preset is not None) + int(self.num_layers is not None) != 1:
             raise ValueError(RULE_ARCH_ONE_WAY.message)
         if self.num_layers is not None and any(getattr(self, name) is None for name in _EXPLICIT_FIELDS):
             raise ValueError(RULE_ARCH_EXPLICIT_COMPLETE.message)
@@ -256,8 +323,8 @@ class ArchitectureSpec(CrdModel):
 
     def to_sizing_fields(self) -> dict[str, Any]:
         """The explicit fields in snake_case, ready for ``kvfleet_runtime.kv.sizing.ModelArchitecture``
-        (empty for fromConfig and preset architectures)."""
-        fields = self.model_dump(exclude={"from_config", "preset"}, exclude_none=True, mode="json")
+        (empty for preset architectures)."""
+        fields = self.model_dump(exclude={"preset"}, exclude_none=True, mode="json")
         return fields if self.num_layers is not None else {}
 
 
@@ -279,7 +346,7 @@ class ModelSpec(CrdModel):
         Field(max_length=128, description="Revision (branch, tag or commit) of a Hugging Face model."),
     ] = None
     architecture: ArchitectureSpec = Field(
-        description="Architecture for KV sizing: fromConfig: true, a preset, or explicit fields."
+        description="Architecture for KV sizing: a preset or explicit fields."
     )
 
 
@@ -434,11 +501,31 @@ class NvmeTier(CrdModel):
         return self
 
 
-class SharedTier(CrdModel):
-    """An LMCache tier shared by all replicas of the pool (a shared LMCache server)."""
+#: An enabled shared tier needs a size: a quantity with a non-zero digit (``0``, ``0Gi``, ``0.0`` have none).
+RULE_SHARED_TIER_SIZE = CelRule(
+    rule="!self.enabled || string(self.size).matches('[1-9]')",
+    message="spec.kvCache.shared.size must be more than 0 when the shared tier is enabled, e.g. 512Gi",
+    field_path=".size",
+)
 
-    enabled: bool = Field(default=False, description="true: run one shared LMCache server for the pool.")
-    size: Quantity = Field(default="0", description="Memory of the shared tier, e.g. 512Gi.")
+
+class SharedTier(CrdModel):
+    """A KV tier all replicas of the shared pool reach: one server for the pool (``kvfleet engine
+    shared-tier``), every replica's LMCache stores its chunks there and reads from there what its own tiers
+    miss. Per-salt quotas and TTLs are the tenants' CPU-tier ones; dedicated pools never use it."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_SHARED_TIER_SIZE)}
+
+    enabled: bool = Field(default=False, description="true: run one shared KV tier server for the pool.")
+    size: Quantity = Field(
+        default="0", description="Memory of the shared tier (the server's memory request), e.g. 512Gi."
+    )
+
+    @model_validator(mode="after")
+    def _sized_when_enabled(self) -> Self:
+        if self.enabled and parse_quantity(self.size) <= 0:
+            raise ValueError(RULE_SHARED_TIER_SIZE.message)
+        return self
 
 
 RULE_TTL_ORDER = CelRule(
@@ -472,7 +559,9 @@ class KvCacheSpec(CrdModel):
         default="0", description="LMCache CPU memory tier per replica, e.g. 256Gi; 0 disables it."
     )
     nvme: NvmeTier | None = Field(default=None, description="LMCache NVMe tier; omit for none.")
-    shared: SharedTier | None = Field(default=None, description="Optional tier shared across replicas.")
+    shared: SharedTier | None = Field(
+        default=None, description="A KV tier shared by all replicas of the shared pool; omit for none."
+    )
     chunk_size: Annotated[
         int, Field(ge=16, le=4096, description="Tokens per LMCache chunk (LMCache chunk_size), e.g. 256.")
     ] = 256
@@ -500,6 +589,419 @@ class Toleration(CrdModel):
     ] = None
 
 
+# --- engine pod template ------------------------------------------------------------------------------
+# What a user may add to the engine pods, merged over what the operator builds (build/engine.py). The
+# fields that carry isolation or security are refused here, by CEL in the CRD and by the same check in
+# pydantic (and again in the builder): each refusal names the field and why. One place for each list.
+
+#: Label prefixes the operator owns: the NetworkPolicies, Services, PDBs and the operator's own lists
+#: select engine pods by these labels, so a pod template may not set or change them.
+RESERVED_LABEL_PREFIXES = ("kvfleet.io/", "app.kubernetes.io/")
+#: Annotation prefixes that change a pod's security profile (legacy seccomp and AppArmor annotations) or
+#: that the operator owns.
+RESERVED_ANNOTATION_PREFIXES = (
+    "kvfleet.io/",
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+    "container.apparmor.security.beta.kubernetes.io/",
+)
+#: Environment the operator and the launcher own: the tenant table, keys and pool of the tenant-aware
+#: block pool (KVFLEET_*), whether that plugin loads at all (VLLM_PLUGINS), LMCache's settings (bind
+#: addresses, tiers) and the CPU KV space (spec.pool.cpuKvCacheSpace).
+RESERVED_ENV_NAMES = ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE")
+RESERVED_ENV_PREFIXES = ("KVFLEET_", "LMCACHE_")
+#: Pod fields a template may never set, and why (the message of each refusal).
+FORBIDDEN_POD_FIELDS: dict[str, str] = {
+    "securityContext": "engine pods run under the restricted Pod Security level (non-root, no "
+    "privilege escalation, all capabilities dropped, RuntimeDefault seccomp)",
+    "hostNetwork": "a pod on the host network bypasses the NetworkPolicies that keep everyone but the "
+    "gateway off the engines",
+    "hostPID": "the host's processes would see the engine's memory, which holds every tenant's KV",
+    "hostIPC": "the host's shared memory would expose LMCache's KV segments of every tenant",
+    "serviceAccountName": "engine pods hold no Kubernetes API credentials",
+    "automountServiceAccountToken": "engine pods hold no Kubernetes API credentials",
+    "volumes": "the operator mounts the tenant table and the salt key; more volumes could expose or "
+    "replace them (use envFrom for settings, spec.model.source for weights)",
+    "nodeName": "a pod bound to a node skips the scheduler and so the dedicated GPU groups' taints",
+}
+
+
+def _prefix_rule(var: str, prefixes: tuple[str, ...]) -> str:
+    return " && ".join(f"!{var}.startsWith('{p}')" for p in prefixes)
+
+
+RULE_POD_LABELS = CelRule(
+    rule="self.all(k, " + _prefix_rule("k", RESERVED_LABEL_PREFIXES) + ")",
+    message="spec.pool.podTemplate.labels may not use the kvfleet.io/ or app.kubernetes.io/ prefixes: the "
+    "NetworkPolicies and Services select engine pods by those labels (isolation)",
+)
+RULE_POD_ANNOTATIONS = CelRule(
+    rule="self.all(k, " + _prefix_rule("k", RESERVED_ANNOTATION_PREFIXES) + ")",
+    message="spec.pool.podTemplate.annotations may not use kvfleet.io/ or the seccomp/AppArmor annotation "
+    "prefixes: they would change the engine pods' security profile",
+)
+_ENV_NAMES_CEL = ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES)
+RULE_POD_ENV = CelRule(
+    rule=f"self.all(e, !(e.name in [{_ENV_NAMES_CEL}]) && "
+    + _prefix_rule("e.name", RESERVED_ENV_PREFIXES)
+    + ")",
+    message="spec.pool.podTemplate.env may not set VLLM_PLUGINS, VLLM_CPU_KVCACHE_SPACE, KVFLEET_* or "
+    "LMCACHE_*: they carry the tenant table, the tenant-aware block pool and LMCache's isolation "
+    "(set the CPU KV space with spec.pool.cpuKvCacheSpace)",
+)
+RULES_FORBIDDEN_POD_FIELDS = tuple(
+    CelRule(
+        rule=f"!has(self.{name})",
+        message=f"spec.pool.podTemplate.{name} cannot be set: {why}",
+        field_path=f".{name}",
+        reason="FieldValueForbidden",
+    )
+    for name, why in FORBIDDEN_POD_FIELDS.items()
+)
+
+
+def _gpu_group_expressions_rule(var: str) -> str:
+    return f"!has({var}.matchExpressions) || {var}.matchExpressions.all(e, e.key != '{GPU_GROUP_LABEL}')"
+
+
+RULE_AFFINITY_NO_GPU_GROUP = CelRule(
+    rule="(!has(self.requiredDuringSchedulingIgnoredDuringExecution) || "
+    "self.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.all(t, "
+    + _gpu_group_expressions_rule("t")
+    + ")) && (!has(self.preferredDuringSchedulingIgnoredDuringExecution) || "
+    "self.preferredDuringSchedulingIgnoredDuringExecution.all(p, "
+    + _gpu_group_expressions_rule("p.preference")
+    + "))",
+    message=f"spec.pool.podTemplate.affinity.nodeAffinity may not name {GPU_GROUP_LABEL}: the operator "
+    "places engine pods on or off the dedicated GPU groups (a group belongs to one Tenant)",
+)
+
+EnvName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
+
+
+class KeySelector(CrdModel):
+    """A key of a Secret or ConfigMap in this namespace."""
+
+    name: ObjectName = Field(description="Name of the Secret or ConfigMap.")
+    key: Annotated[str, Field(min_length=1, max_length=253, description="The key to read.")]
+    optional: bool | None = Field(default=None, description="true: the pod starts without it.")
+
+
+class FieldSelector(CrdModel):
+    """A field of the pod (downward API)."""
+
+    field_path: Annotated[str, Field(min_length=1, max_length=253, description="e.g. status.podIP.")]
+
+
+def _exactly_one_rule(path: str, fields: tuple[str, ...]) -> CelRule:
+    count = " + ".join(f"(has(self.{f}) ? 1 : 0)" for f in fields)
+    return CelRule(rule=f"{count} == 1", message=f"{path} must set exactly one of {', '.join(fields)}")
+
+
+RULE_ENV_SOURCE_ONE = _exactly_one_rule(
+    "spec.pool.podTemplate.env[].valueFrom", ("secretKeyRef", "configMapKeyRef", "fieldRef")
+)
+RULE_ENV_VALUE_OR_FROM = CelRule(
+    rule="!(has(self.value) && has(self.valueFrom))",
+    message="spec.pool.podTemplate.env[]: set value or valueFrom, not both",
+)
+RULE_ENV_FROM_ONE = _exactly_one_rule("spec.pool.podTemplate.envFrom[]", ("configMapRef", "secretRef"))
+
+
+class EnvVarSource(CrdModel):
+    """Where an environment variable's value comes from: exactly one of the fields."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_ENV_SOURCE_ONE)}
+
+    secret_key_ref: KeySelector | None = Field(default=None, description="A key of a Secret.")
+    config_map_key_ref: KeySelector | None = Field(default=None, description="A key of a ConfigMap.")
+    field_ref: FieldSelector | None = Field(default=None, description="A field of the pod.")
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        if sum(x is not None for x in (self.secret_key_ref, self.config_map_key_ref, self.field_ref)) != 1:
+            raise ValueError(RULE_ENV_SOURCE_ONE.message)
+        return self
+
+
+class EnvVar(CrdModel):
+    """One environment variable of the engine container (same shape as in a pod spec)."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_ENV_VALUE_OR_FROM)}
+
+    name: EnvName = Field(description="Variable name, e.g. HF_HUB_ENABLE_HF_TRANSFER.")
+    value: Annotated[str | None, Field(max_length=32768, description="Literal value.")] = None
+    value_from: EnvVarSource | None = Field(
+        default=None, description="Value from a Secret, ConfigMap or field."
+    )
+
+    @model_validator(mode="after")
+    def _value_or_from(self) -> Self:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(RULE_ENV_VALUE_OR_FROM.message)
+        return self
+
+
+class NameReference(CrdModel):
+    """A Secret or ConfigMap in this namespace."""
+
+    name: ObjectName = Field(description="Its name.")
+    optional: bool | None = Field(default=None, description="true: the pod starts without it.")
+
+
+class EnvFromSource(CrdModel):
+    """All keys of a Secret or ConfigMap as environment variables (same shape as in a pod spec). The
+    variables the operator sets win over these (Kubernetes gives env precedence over envFrom)."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_ENV_FROM_ONE)}
+
+    prefix: Annotated[str | None, Field(max_length=128, description="Prefix for every variable name.")] = None
+    config_map_ref: NameReference | None = Field(default=None, description="A ConfigMap.")
+    secret_ref: NameReference | None = Field(default=None, description="A Secret.")
+
+    @model_validator(mode="after")
+    def _one(self) -> Self:
+        if (self.config_map_ref is None) == (self.secret_ref is None):
+            raise ValueError(RULE_ENV_FROM_ONE.message)
+        return self
+
+
+class NodeSelectorRequirement(CrdModel):
+    """A node label requirement (Kubernetes NodeSelectorRequirement)."""
+
+    key: Annotated[str, Field(min_length=1, max_length=316, description="Node label key.")]
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(
+        description="In, NotIn, Exists, DoesNotExist, Gt or Lt."
+    )
+    values: Annotated[
+        list[Annotated[str, Field(max_length=63)]],
+        Field(max_length=64, description="Values for In, NotIn, Gt and Lt."),
+    ] = []
+
+
+class NodeSelectorTerm(CrdModel):
+    """Requirements that must all hold (Kubernetes NodeSelectorTerm)."""
+
+    match_expressions: Annotated[
+        list[NodeSelectorRequirement], Field(max_length=32, description="Node label requirements.")
+    ] = []
+    match_fields: Annotated[
+        list[NodeSelectorRequirement], Field(max_length=32, description="Node field requirements.")
+    ] = []
+
+
+class NodeSelector(CrdModel):
+    """Terms of which at least one must hold (Kubernetes NodeSelector)."""
+
+    node_selector_terms: Annotated[
+        list[NodeSelectorTerm], Field(min_length=1, max_length=16, description="The terms (ORed).")
+    ]
+
+
+class PreferredSchedulingTerm(CrdModel):
+    """A weighted preference (Kubernetes PreferredSchedulingTerm)."""
+
+    weight: Annotated[int, Field(ge=1, le=100, description="Weight of this preference, 1-100.")]
+    preference: NodeSelectorTerm = Field(description="The preferred nodes.")
+
+
+class NodeAffinity(CrdModel):
+    """Node affinity (Kubernetes NodeAffinity). The operator's own required terms (GPU groups) are added
+    to every required term given here."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_AFFINITY_NO_GPU_GROUP)}
+
+    required_during_scheduling_ignored_during_execution: NodeSelector | None = Field(
+        default=None, description="Nodes the pods must run on (combined with the operator's terms)."
+    )
+    preferred_during_scheduling_ignored_during_execution: Annotated[
+        list[PreferredSchedulingTerm], Field(max_length=16, description="Nodes the pods prefer.")
+    ] = []
+
+    @model_validator(mode="after")
+    def _no_gpu_group(self) -> Self:
+        required = self.required_during_scheduling_ignored_during_execution
+        terms = [*(required.node_selector_terms if required else [])]
+        terms += [p.preference for p in self.preferred_during_scheduling_ignored_during_execution]
+        if any(e.key == GPU_GROUP_LABEL for t in terms for e in t.match_expressions):
+            raise ValueError(RULE_AFFINITY_NO_GPU_GROUP.message)
+        return self
+
+
+_OPEN_OBJECT: dict[str, Any] = {"x-kubernetes-preserve-unknown-fields": True}
+
+
+class Affinity(CrdModel):
+    """Scheduling affinity of the engine pods (Kubernetes Affinity)."""
+
+    node_affinity: NodeAffinity | None = Field(default=None, description="Node affinity.")
+    pod_affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="Pod affinity (Kubernetes PodAffinity), as in a pod spec.",
+        json_schema_extra=_OPEN_OBJECT,
+    )
+    pod_anti_affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="Pod anti-affinity (Kubernetes PodAntiAffinity), e.g. one replica per node.",
+        json_schema_extra=_OPEN_OBJECT,
+    )
+
+
+ResourceMap = Annotated[
+    dict[str, ResourceQuantity],
+    Field(max_length=16, description="Resource name -> quantity, e.g. cpu: '8', memory: 64Gi."),
+]
+
+
+class EngineResources(CrdModel):
+    """Requests and limits of the engine container, over the operator's defaults. Memory is the engine's
+    own: the operator adds the LMCache CPU tier (spec.kvCache.cpuSize) and, on a CPU engine,
+    spec.pool.cpuKvCacheSpace to the memory request (and to a memory limit when one is set), so the
+    scheduler sees them. The GPU count comes from spec.pool.gpusPerReplica."""
+
+    requests: ResourceMap = {}
+    limits: ResourceMap = {}
+
+    @model_validator(mode="after")
+    def _memory_in_bytes(self) -> Self:
+        # The operator adds the tiers to memory: it must be a byte count (no milli suffix).
+        for amounts in (self.requests, self.limits):
+            if "memory" in amounts:
+                parse_quantity(amounts["memory"])
+        return self
+
+
+def _template_fields_rules() -> dict[str, Any]:
+    return cel_rules_schema(*RULES_FORBIDDEN_POD_FIELDS)
+
+
+class PodTemplate(CrdModel):
+    """Settings merged over the engine pods the operator builds (the KServe-like subset of a pod spec).
+
+    nodeSelector and tolerations are spec.pool's (additions to the operator's own). Fields that carry
+    isolation or security (securityContext, hostNetwork, hostPID, hostIPC, serviceAccountName,
+    automountServiceAccountToken, volumes, nodeName, kvfleet labels, the dedicated groups' node
+    affinity) are refused with the reason.
+    """
+
+    model_config = {"json_schema_extra": _template_fields_rules()}
+
+    labels: Annotated[
+        dict[str, Annotated[str, Field(max_length=63)]],
+        Field(
+            max_length=32,
+            description="More labels on the engine pods (not kvfleet.io/ or app.kubernetes.io/).",
+            json_schema_extra=cel_rules_schema(RULE_POD_LABELS),
+        ),
+    ] = {}
+    annotations: Annotated[
+        dict[str, Annotated[str, Field(max_length=4096)]],
+        Field(
+            max_length=32,
+            description="More annotations on the engine pods (not kvfleet.io/, seccomp or AppArmor).",
+            json_schema_extra=cel_rules_schema(RULE_POD_ANNOTATIONS),
+        ),
+    ] = {}
+    resources: EngineResources = Field(
+        default_factory=EngineResources,
+        description="Requests and limits of the engine container (defaults: 4 CPUs and 32Gi on GPU "
+        "engines, 1 CPU and 4Gi on CPU engines, plus the LMCache CPU tier).",
+        json_schema_extra={"default": {}},
+    )
+    env: Annotated[
+        list[EnvVar],
+        Field(
+            max_length=64,
+            description="More environment of the engine container (not VLLM_PLUGINS, "
+            "VLLM_CPU_KVCACHE_SPACE, KVFLEET_* or LMCACHE_*).",
+            json_schema_extra={"x-kubernetes-list-type": "atomic", **cel_rules_schema(RULE_POD_ENV)},
+        ),
+    ] = []
+    env_from: Annotated[
+        list[EnvFromSource],
+        Field(
+            max_length=16,
+            description="Secrets or ConfigMaps whose keys become environment variables.",
+            json_schema_extra={"x-kubernetes-list-type": "atomic"},
+        ),
+    ] = []
+    runtime_class_name: Annotated[
+        str | None,
+        Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="RuntimeClass, e.g. nvidia."),
+    ] = None
+    priority_class_name: Annotated[
+        str | None, Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="PriorityClass.")
+    ] = None
+    affinity: Affinity | None = Field(default=None, description="Scheduling affinity.")
+    image_pull_secrets: Annotated[
+        list[LocalName],
+        Field(
+            max_length=16,
+            description="Secrets for pulling the engine image from a private registry.",
+            json_schema_extra={"x-kubernetes-list-type": "atomic"},
+        ),
+    ] = []
+    # Refused fields (FORBIDDEN_POD_FIELDS): declared so that a manifest setting one is refused with the
+    # reason instead of silently pruned.
+    security_context: dict[str, Any] | None = Field(
+        default=None,
+        description="Refused: " + FORBIDDEN_POD_FIELDS["securityContext"] + ".",
+        json_schema_extra=_OPEN_OBJECT,
+    )
+    host_network: bool | None = Field(
+        default=None, description="Refused: " + FORBIDDEN_POD_FIELDS["hostNetwork"] + "."
+    )
+    host_pid: bool | None = Field(
+        default=None, alias="hostPID", description="Refused: " + FORBIDDEN_POD_FIELDS["hostPID"] + "."
+    )
+    host_ipc: bool | None = Field(
+        default=None, alias="hostIPC", description="Refused: " + FORBIDDEN_POD_FIELDS["hostIPC"] + "."
+    )
+    service_account_name: Annotated[
+        str | None,
+        Field(max_length=253, description="Refused: " + FORBIDDEN_POD_FIELDS["serviceAccountName"] + "."),
+    ] = None
+    automount_service_account_token: bool | None = Field(
+        default=None, description="Refused: " + FORBIDDEN_POD_FIELDS["automountServiceAccountToken"] + "."
+    )
+    volumes: Annotated[
+        list[dict[str, Any]] | None,
+        Field(
+            max_length=16,
+            description="Refused: " + FORBIDDEN_POD_FIELDS["volumes"] + ".",
+            json_schema_extra={"items": {"type": "object", **_OPEN_OBJECT}},
+        ),
+    ] = None
+    node_name: Annotated[
+        str | None, Field(max_length=253, description="Refused: " + FORBIDDEN_POD_FIELDS["nodeName"] + ".")
+    ] = None
+
+    @model_validator(mode="after")
+    def _nothing_reserved(self) -> Self:
+        problems = check_pod_template(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def check_pod_template(template: PodTemplate) -> list[str]:
+    """Every reason ``template`` may not be merged over an engine pod (empty: it may). The one check the
+    model validator and the builder (``build/engine.py``) both run, with the CEL rules' messages."""
+    problems = [
+        rule.message
+        for rule in RULES_FORBIDDEN_POD_FIELDS
+        if template.model_dump(by_alias=True).get(rule.field_path.lstrip(".") if rule.field_path else "")
+        is not None
+    ]
+    if any(k.startswith(RESERVED_LABEL_PREFIXES) for k in template.labels):
+        problems.append(RULE_POD_LABELS.message)
+    if any(k.startswith(RESERVED_ANNOTATION_PREFIXES) for k in template.annotations):
+        problems.append(RULE_POD_ANNOTATIONS.message)
+    if any(e.name in RESERVED_ENV_NAMES or e.name.startswith(RESERVED_ENV_PREFIXES) for e in template.env):
+        problems.append(RULE_POD_ENV.message)
+    return problems
+
+
 RULE_GPUS_MATCH_PARALLELISM = CelRule(
     rule="self.pool.gpusPerReplica == 0 || self.pool.gpusPerReplica == "
     "self.engine.tensorParallelSize * self.engine.pipelineParallelSize * self.engine.dataParallelSize",
@@ -511,6 +1013,16 @@ RULE_CPU_KV_SPACE = CelRule(
     rule="!has(self.cpuKvCacheSpace) || self.gpusPerReplica == 0",
     message="spec.pool.cpuKvCacheSpace applies only to CPU engines: set gpusPerReplica: 0 or remove it",
     field_path=".cpuKvCacheSpace",
+)
+RULE_TEMPLATE_NO_GPU_RESOURCE = CelRule(
+    rule="!has(self.podTemplate) || !has(self.podTemplate.resources) || "
+    + " && ".join(
+        f"(!has(self.podTemplate.resources.{m}) || !(self.gpuResource in self.podTemplate.resources.{m}))"
+        for m in ("requests", "limits")
+    ),
+    message="spec.pool.podTemplate.resources may not name the GPU resource (spec.pool.gpuResource): "
+    "spec.pool.gpusPerReplica sets it, to match the engine's parallelism",
+    field_path=".podTemplate.resources",
 )
 RULE_POOL_SELECTS_NO_GPU_GROUP = CelRule(
     rule=f"!has(self.nodeSelector) || !('{GPU_GROUP_LABEL}' in self.nodeSelector)",
@@ -526,12 +1038,41 @@ RULE_POOL_TOLERATES_NO_GPU_GROUP = CelRule(
 )
 
 
+#: How long after an evicted engine pod's deletion grace period ended the operator waits before it
+#: force-deletes the pod (``spec.pool.nodeLoss.after``): long enough for a kubelet that is only slow to
+#: confirm the deletion itself, short enough that the replica is back in minutes.
+DEFAULT_NODE_LOSS_AFTER = "60s"
+
+
+class NodeLossSpec(CrdModel):
+    """What the operator does with an engine pod whose node was lost (``reconcile/node_loss.py``)."""
+
+    replace: bool = Field(
+        default=True,
+        description="Force-delete an engine pod that the node lifecycle controller evicted from an "
+        "unreachable node once its deletion grace period plus `after` has passed, so its StatefulSet starts "
+        "the replacement on another node (an engine holds no durable state and the evicted pod is already "
+        "out of the Service). false keeps StatefulSet's at-most-one guarantee: the pod stays Terminating "
+        "until someone confirms the node is gone (the node.kubernetes.io/out-of-service taint). Pods with "
+        "an NVMe claim (kvCache.nvme.storageClassName) are never force-deleted: a local volume cannot "
+        "move; the operator says so in an Event.",
+    )
+    after: Duration = Field(
+        default=DEFAULT_NODE_LOSS_AFTER,
+        description="How long after the evicted pod's deletion grace period ended the operator waits "
+        "before it force-deletes the pod, e.g. 60s.",
+    )
+
+
 class PoolSpec(CrdModel):
     """The engine replicas: how many, on which nodes, with which GPUs."""
 
     model_config = {
         "json_schema_extra": cel_rules_schema(
-            RULE_CPU_KV_SPACE, RULE_POOL_SELECTS_NO_GPU_GROUP, RULE_POOL_TOLERATES_NO_GPU_GROUP
+            RULE_CPU_KV_SPACE,
+            RULE_POOL_SELECTS_NO_GPU_GROUP,
+            RULE_POOL_TOLERATES_NO_GPU_GROUP,
+            RULE_TEMPLATE_NO_GPU_RESOURCE,
         )
     }
 
@@ -548,10 +1089,33 @@ class PoolSpec(CrdModel):
     gpu_memory: Quantity | None = Field(
         default=None, description="Memory of one GPU, e.g. 141Gi (H200); sets the KV capacity estimate."
     )
-    cpu_kv_cache_space: Quantity | None = Field(
-        default=None,
-        description="CPU engines only: memory for the KV cache (VLLM_CPU_KVCACHE_SPACE), e.g. 1Gi.",
+    reserve_per_gpu: Quantity = Field(
+        default=DEFAULT_RESERVE_PER_GPU,
+        description="GPU pools: memory the planner leaves on each GPU for what vLLM needs besides weights "
+        "and KV cache (activations at maxNumBatchedTokens, CUDA graphs, NCCL and cuBLAS workspaces) when it "
+        "estimates the KV blocks quotas are admitted against until an engine reports the blocks it really "
+        "allocated (status.kvCapacity.reportedBlocks). vLLM sizes its own cache; raise this when the "
+        "reported figure is below the estimate (CapacityBelowPlan says by how much).",
     )
+    cpu_kv_cache_space: Annotated[
+        str | None,
+        Field(
+            max_length=8,
+            pattern=CPU_KV_CACHE_SPACE_PATTERN,
+            description="CPU engines only: memory for the KV cache in whole GiB (vLLM's "
+            "VLLM_CPU_KVCACHE_SPACE is an integer number of GiB), e.g. 1Gi.",
+        ),
+    ] = None
+    gpu_resource: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=128,
+            pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9._]*[a-zA-Z0-9])?$",
+            description="Extended resource the engine requests gpusPerReplica of: nvidia.com/gpu (the "
+            "default), a MIG profile such as nvidia.com/mig-1g.10gb, or another vendor's, e.g. amd.com/gpu.",
+        ),
+    ] = DEFAULT_GPU_RESOURCE
     node_selector: Annotated[
         dict[str, Annotated[str, Field(max_length=63)]],
         Field(max_length=32, description="Node labels the engine pods must match."),
@@ -560,15 +1124,31 @@ class PoolSpec(CrdModel):
         list[Toleration],
         Field(
             max_length=32,
-            description="Tolerations for tainted GPU nodes. A wildcard (operator Exists, no key) never "
+            description="Tolerations for tainted GPU nodes (added to the operator's own). A wildcard "
+            "(operator Exists, no key) never "
             "reaches a dedicated GPU group: the engine pods then also require nodes without "
             f"{GPU_GROUP_LABEL}.",
             json_schema_extra={"x-kubernetes-list-type": "atomic"},
         ),
     ] = []
+    pod_template: PodTemplate = Field(
+        default_factory=PodTemplate,
+        description="Settings merged over the engine pods: resources, env, envFrom, runtimeClassName, "
+        "priorityClassName, affinity, imagePullSecrets, labels, annotations. Fields that carry isolation "
+        "or security are refused.",
+        json_schema_extra={"default": {}},
+    )
+    node_loss: NodeLossSpec = Field(
+        default_factory=NodeLossSpec,
+        description="What happens to an engine pod whose node stops reporting (NotReady/unreachable).",
+        json_schema_extra={"default": {}},
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        resources = self.pod_template.resources
+        if self.gpu_resource in resources.requests or self.gpu_resource in resources.limits:
+            raise ValueError(RULE_TEMPLATE_NO_GPU_RESOURCE.message)
         if self.cpu_kv_cache_space is not None and self.gpus_per_replica != 0:
             raise ValueError(RULE_CPU_KV_SPACE.message)
         if GPU_GROUP_LABEL in self.node_selector:
@@ -592,8 +1172,251 @@ class ResourceRequirements(CrdModel):
     limits: ResourceList | None = Field(default=None, description="Resource limits.")
 
 
+# --- gateway exposure ---------------------------------------------------------------------------------
+# How clients outside the cluster reach the gateway (docs/operations.md, "Exposure"). The gateway's
+# metrics port is never on the exposed Service: it has its own ClusterIP Service (build/gateway.py).
+
+
+class ServiceType(StrEnum):
+    """Type of the gateway's client Service."""
+
+    CLUSTER_IP = "ClusterIP"
+    LOAD_BALANCER = "LoadBalancer"
+    NODE_PORT = "NodePort"
+
+
+#: A precise DNS name (RFC 1123, lowercase): no wildcard, no scheme, no port. A character class stands for
+#: the dot so the pattern needs no escaping inside a CEL string literal.
+HOSTNAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?([.][a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$"
+#: An IPv4 address matches HOSTNAME_PATTERN too; Ingress hosts and HTTPRoute hostnames may not be one.
+_IPV4_PATTERN = r"^[0-9.]+$"
+
+
+def _hostname_ok(name: str) -> bool:
+    return re.fullmatch(HOSTNAME_PATTERN, name) is not None and re.fullmatch(_IPV4_PATTERN, name) is None
+
+
+def _hostname_cel(var: str) -> str:
+    return f"{var}.matches('{HOSTNAME_PATTERN}') && !{var}.matches('{_IPV4_PATTERN}')"
+
+
+_HOSTNAME_RULE_TAIL = (
+    "a lowercase DNS name such as llm.example.com (no wildcard, scheme, port, path or IP address)"
+)
+RULE_INGRESS_HOST = CelRule(
+    rule=_hostname_cel("self.host"),
+    message=f"spec.gateway.exposure.ingress.host must be {_HOSTNAME_RULE_TAIL}",
+    field_path=".host",
+)
+RULE_ROUTE_HOSTNAMES = CelRule(
+    rule="self.hostnames.all(h, " + _hostname_cel("h") + ")",
+    message=f"spec.gateway.exposure.httpRoute.hostnames: each must be {_HOSTNAME_RULE_TAIL}",
+    field_path=".hostnames",
+)
+RULE_TLS_SECRET = CelRule(
+    rule="has(self.secretName)",
+    message="spec.gateway.exposure.ingress.tls.secretName is required: the Secret (type kubernetes.io/tls, "
+    "in this namespace) with the certificate and key for the host",
+    field_path=".secretName",
+    reason="FieldValueRequired",
+)
+RULE_ONE_ROUTE = CelRule(
+    rule="!has(self.ingress) || !has(self.httpRoute)",
+    message="spec.gateway.exposure.httpRoute: set it or spec.gateway.exposure.ingress, not both (one "
+    "external route to the gateway)",
+    field_path=".httpRoute",
+)
+
+
+class ServiceExposure(CrdModel):
+    """The gateway's client Service (the API port only; metrics have their own ClusterIP Service)."""
+
+    type: ServiceType = Field(
+        default=ServiceType.CLUSTER_IP,
+        description="ClusterIP (in the cluster only; the default), LoadBalancer (an address from the cloud's "
+        "load balancer; status.endpoint shows it once assigned) or NodePort (a port on every node).",
+    )
+    annotations: Annotated[
+        dict[str, Annotated[str, Field(max_length=4096)]],
+        Field(
+            max_length=32,
+            description="Annotations on the Service, e.g. a cloud's internal load balancer switch.",
+        ),
+    ] = {}
+
+
+class IngressTls(CrdModel):
+    """TLS for the Ingress host, terminated by the ingress controller."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_TLS_SECRET)}
+
+    secret_name: Annotated[
+        str | None,
+        Field(
+            max_length=253,
+            pattern=DNS_SUBDOMAIN_PATTERN,
+            description="Secret of type kubernetes.io/tls in this namespace (e.g. made by cert-manager).",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _secret_named(self) -> Self:
+        if self.secret_name is None:
+            raise ValueError(RULE_TLS_SECRET.message)
+        return self
+
+
+class IngressExposure(CrdModel):
+    """A networking.k8s.io/v1 Ingress for the gateway's OpenAI API (path prefix /v1 only)."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_INGRESS_HOST)}
+
+    host: Annotated[
+        str, Field(min_length=1, max_length=253, description="Host clients call, e.g. llm.example.com.")
+    ]
+    class_name: Annotated[
+        str | None,
+        Field(
+            max_length=253,
+            pattern=DNS_SUBDOMAIN_PATTERN,
+            description="IngressClass; empty: the cluster's default class.",
+        ),
+    ] = None
+    annotations: Annotated[
+        dict[str, Annotated[str, Field(max_length=4096)]],
+        Field(
+            max_length=32,
+            description="Annotations on the Ingress, for the controller (e.g. turn off response buffering "
+            "for streams, raise read timeouts).",
+        ),
+    ] = {}
+    tls: IngressTls | None = Field(
+        default=None, description="TLS from a Secret; status.endpoint is https:// with it, http:// without."
+    )
+
+    @model_validator(mode="after")
+    def _host_ok(self) -> Self:
+        if not _hostname_ok(self.host):
+            raise ValueError(RULE_INGRESS_HOST.message)
+        return self
+
+
+class ParentReference(CrdModel):
+    """A Gateway (gateway.networking.k8s.io) the route attaches to."""
+
+    name: ObjectName = Field(description="Name of the Gateway.")
+    namespace: Annotated[
+        str | None,
+        Field(
+            max_length=63,
+            pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+            description="Namespace of the Gateway; empty: this namespace (its listener must allow routes "
+            "from here).",
+        ),
+    ] = None
+    section_name: Annotated[
+        str | None,
+        Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Listener of the Gateway."),
+    ] = None
+
+
+class HttpRouteExposure(CrdModel):
+    """A Gateway API HTTPRoute (gateway.networking.k8s.io/v1) for the gateway's OpenAI API (path prefix /v1
+    only). TLS is the parent Gateway's: its HTTPS listener names the certificate Secret."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_ROUTE_HOSTNAMES)}
+
+    parent_refs: Annotated[
+        list[ParentReference],
+        Field(
+            min_length=1,
+            max_length=8,
+            description="Gateways the route attaches to.",
+            json_schema_extra={"x-kubernetes-list-type": "atomic"},
+        ),
+    ]
+    hostnames: Annotated[
+        list[Annotated[str, Field(max_length=253)]],
+        Field(
+            min_length=1,
+            max_length=16,
+            description="Hostnames clients call; the first is status.endpoint's.",
+            json_schema_extra={"x-kubernetes-list-type": "atomic"},
+        ),
+    ]
+    https: bool = Field(
+        default=True,
+        description="Whether the parent's listener for these hostnames terminates TLS (status.endpoint's "
+        "scheme).",
+    )
+
+    @model_validator(mode="after")
+    def _hostnames_ok(self) -> Self:
+        if not all(_hostname_ok(h) for h in self.hostnames):
+            raise ValueError(RULE_ROUTE_HOSTNAMES.message)
+        return self
+
+
+class ExposureSpec(CrdModel):
+    """How clients reach the gateway: its Service's type, and at most one of an Ingress or an HTTPRoute."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_ONE_ROUTE)}
+
+    service: ServiceExposure = Field(
+        default_factory=ServiceExposure,
+        description="The gateway's client Service.",
+        json_schema_extra={"default": {}},
+    )
+    ingress: IngressExposure | None = Field(
+        default=None, description="An Ingress to the gateway (the operator needs the chart's rbac.ingress)."
+    )
+    http_route: HttpRouteExposure | None = Field(
+        default=None,
+        description="A Gateway API HTTPRoute to the gateway (the operator needs the chart's rbac.httpRoute "
+        "and the cluster the Gateway API CRDs).",
+    )
+
+    @model_validator(mode="after")
+    def _one_route(self) -> Self:
+        if self.ingress is not None and self.http_route is not None:
+            raise ValueError(RULE_ONE_ROUTE.message)
+        return self
+
+
+# --- gateway fair queuing -----------------------------------------------------------------------------
+# The gateway holds requests beyond what the engines are given at once and releases them in a fair order
+# within an SLA tier (docs/operations.md, "Fair queuing"). Unset fields keep the gateway's own defaults.
+
+
+class FairQueuingOrder(StrEnum):
+    """Order of held requests within an SLA tier (between tiers: strict priority)."""
+
+    VTC = "vtc"
+    FIFO = "fifo"
+
+
+#: The longest a request may wait at the gateway (for its tenant's concurrency or for the engines).
+MAX_QUEUE_TIMEOUT = "10m"
+RULE_QUEUE_TIMEOUT = CelRule(
+    rule="!has(self.queueTimeout) || (duration(self.queueTimeout) > duration('0s') && "
+    f"duration(self.queueTimeout) <= duration('{MAX_QUEUE_TIMEOUT}'))",
+    message=f"spec.gateway.queueTimeout must be longer than 0s and at most {MAX_QUEUE_TIMEOUT}, e.g. 10s "
+    "(how long a request may wait at the gateway before it is refused with 429)",
+    field_path=".queueTimeout",
+)
+RULE_IN_FLIGHT_PER_GATEWAY = CelRule(
+    rule="!has(self.engineInFlightPerReplica) || self.engineInFlightPerReplica == 0 || "
+    "self.engineInFlightPerReplica >= self.replicas",
+    message="spec.gateway.engineInFlightPerReplica must be 0 (no limit) or at least spec.gateway.replicas: "
+    "each gateway replica gives every engine replica its share of it, at least one request",
+    field_path=".engineInFlightPerReplica",
+)
+
+
 class GatewaySpec(CrdModel):
     """The tenant-aware gateway in front of the pool."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_QUEUE_TIMEOUT, RULE_IN_FLIGHT_PER_GATEWAY)}
 
     replicas: Annotated[
         int, Field(ge=1, le=64, description="Gateway replicas (2 or more for availability).")
@@ -609,6 +1432,47 @@ class GatewaySpec(CrdModel):
         description="CPU and memory of each gateway pod.",
         json_schema_extra={"default": {}},
     )
+    exposure: ExposureSpec = Field(
+        default_factory=ExposureSpec,
+        description="How clients outside the cluster reach the gateway: Service type, Ingress or HTTPRoute.",
+        json_schema_extra={"default": {}},
+    )
+    fair_queuing: FairQueuingOrder | None = Field(
+        default=None,
+        description="Order of the requests the gateway holds while the engines are saturated, within an SLA "
+        "tier: vtc (token-weighted fair queuing: each tenant gets service in proportion to its Tenant "
+        "spec.fairShareWeight) or fifo (first come, first served). Between tiers the order is always strict "
+        "priority. Unset: vtc.",
+    )
+    engine_in_flight_per_replica: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            le=65536,
+            description="Requests each engine replica is given at once, over all gateway replicas (each "
+            "gives it this divided by spec.gateway.replicas, rounded up); the gateway holds the rest in the "
+            "spec.gateway.fairQueuing order. Fair queuing acts only on what is held: set this at or below "
+            "what an engine runs at once (vLLM's max_num_seqs) for it to take effect. 0: no limit, nothing "
+            "is held. Unset: 256 per gateway replica.",
+        ),
+    ] = None
+    queue_timeout: Duration | None = Field(
+        default=None,
+        description="How long a request may wait at the gateway (for its tenant's concurrency limit or for "
+        "room on the engines) before it is refused with 429 and Retry-After, e.g. 10s; longer than 0s, at "
+        f"most {MAX_QUEUE_TIMEOUT}. Unset: 10s.",
+    )
+
+    @model_validator(mode="after")
+    def _fair_queuing(self) -> Self:
+        if self.queue_timeout is not None and not (
+            0 < parse_duration(self.queue_timeout) <= parse_duration(MAX_QUEUE_TIMEOUT)
+        ):
+            raise ValueError(RULE_QUEUE_TIMEOUT.message)
+        n = self.engine_in_flight_per_replica
+        if n is not None and n != 0 and n < self.replicas:
+            raise ValueError(RULE_IN_FLIGHT_PER_GATEWAY.message)
+        return self
 
 
 class ModelDeploymentSpec(CrdModel):
@@ -667,8 +1531,27 @@ class TieredCapacity(CrdModel):
 
 
 class KvCapacityStatus(CrdModel):
-    """KV capacity per replica and for the whole pool."""
+    """KV capacity per replica and for the whole pool: the figure quotas are admitted against (the
+    engines' own once one reports, the planner's estimate before), and both figures side by side."""
 
+    planned_blocks: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="KV blocks per replica the planner estimates from the spec (gpuMemory, "
+            "reservePerGpu, gpuMemoryUtilization, or cpuKvCacheSpace); quotas are admitted against it until "
+            "an engine reports its own.",
+        ),
+    ] = 0
+    reported_blocks: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            description="KV blocks per replica vLLM really allocated: the fewest any ready engine replica "
+            "reports (vllm:cache_config_info on its metrics port). Absent until one reports; once present, "
+            "quotas are admitted against it.",
+        ),
+    ] = None
     per_replica: TieredCapacity = Field(default_factory=TieredCapacity, description="One replica.")
     pool: TieredCapacity = Field(default_factory=TieredCapacity, description="All replicas together.")
     summary: Annotated[
@@ -707,7 +1590,13 @@ class ModelDeploymentStatus(CrdModel):
         default_factory=GuaranteeStatus, description="Sum of the Tenants' guaranteed quotas."
     )
     endpoint: Annotated[
-        str, Field(max_length=512, description="OpenAI-compatible base URL of the gateway.")
+        str,
+        Field(
+            max_length=512,
+            description="OpenAI-compatible base URL of the gateway: the external one when there is one "
+            "(the Ingress or HTTPRoute host; a LoadBalancer's address once assigned), else the in-cluster "
+            "one.",
+        ),
     ] = ""
 
 

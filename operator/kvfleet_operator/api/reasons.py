@@ -71,9 +71,32 @@ MODEL_DEPLOYMENT_DELETING: Final = "ModelDeploymentDeleting"
 the tenant or point ``spec.modelDeploymentRef`` at another ModelDeployment."""
 
 CAPACITY_UNKNOWN: Final = "CapacityUnknown"
-"""ModelDeployment: the pool cannot be sized (the model does not fit, no ``spec.pool.gpuMemory``, an
-architecture ``fromConfig``), so no tenant can be admitted. Follow the message; ``kvfleet plan``
-reproduces it."""
+"""ModelDeployment: the pool cannot be sized (the model does not fit, no ``spec.pool.gpuMemory``, a CPU
+engine without ``spec.pool.cpuKvCacheSpace``), so no tenant can be admitted. Follow the message;
+``kvfleet plan`` reproduces it."""
+
+CAPACITY_BELOW_PLAN: Final = "CapacityBelowPlan"
+"""ModelDeployment (``Degraded``; still serving): vLLM allocated fewer KV blocks per replica than the
+planner estimated (``status.kvCapacity.reportedBlocks`` < ``plannedBlocks``: activations, CUDA graphs or
+workspaces took more than ``spec.pool.reservePerGpu``). Quotas are now admitted against the reported
+figure; tenants admitted before keep theirs (sticky), and the message says whether their guarantees still
+fit. Raise ``spec.pool.reservePerGpu`` so the estimate matches (the message gives the blocks), or lower
+quotas that no longer fit."""
+
+NO_MATCHING_NODES: Final = "NoMatchingNodes"
+"""ModelDeployment (its shared pool) or Tenant (its dedicated pool), ``Degraded`` while still
+``Progressing``: no node can run the engine pods (no node carries the pool's node-selector labels, e.g.
+``kvfleet.io/gpu-pool=shared`` or the GPU Feature Discovery label ``nvidia.com/gpu.product``, or a
+dedicated group's ``kvfleet.io/gpu-group``; a taint is not tolerated; no node has the GPU resource or
+enough of it). The message names the selector and how many nodes lack each label, taint or resource; the
+pods stay Pending and start when a node fits. Label, taint or equip the nodes (docs/operations.md,
+Prerequisites)."""
+
+EXPOSURE_UNAVAILABLE: Final = "ExposureUnavailable"
+"""ModelDeployment (``Degraded``; still serving in the cluster): ``spec.gateway.exposure`` asks for an
+Ingress or an HTTPRoute the operator may not manage (the chart's ``rbac.ingress`` / ``rbac.httpRoute`` is
+off) or the cluster does not serve (no Gateway API CRDs), so it is not created and ``status.endpoint``
+stays the in-cluster URL. Turn the chart value on, or install the Gateway API CRDs, or remove the field."""
 
 INVALID_SPEC: Final = "InvalidSpec"
 """Both kinds: the API server accepted a spec the operator cannot serve (the message names the fields).
@@ -94,6 +117,9 @@ CONDITION_REASONS: Final = (
     MODEL_DEPLOYMENT_NOT_FOUND,
     MODEL_DEPLOYMENT_DELETING,
     CAPACITY_UNKNOWN,
+    CAPACITY_BELOW_PLAN,
+    NO_MATCHING_NODES,
+    EXPOSURE_UNAVAILABLE,
     INVALID_SPEC,
 )
 

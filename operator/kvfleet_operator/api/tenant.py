@@ -158,6 +158,12 @@ class TenantSpec(CrdModel):
         default="50%",
         description="Most of the pool's GPU-memory KV this tenant may hold while others need room, e.g. 50%.",
     )
+    fair_share_weight: Annotated[float, Field(ge=0.01, le=1000)] = Field(
+        default=1.0,
+        description="This tenant's weight in the gateway's fair queuing among tenants of its tier when the "
+        "engines are saturated: a tenant of weight 2 is served twice the weighted tokens of a tenant of "
+        "weight 1 (0.01 to 1000; default 1).",
+    )
     ttl: TenantTtls = Field(
         default_factory=TenantTtls,
         description="Per-tier TTLs; empty fields take the ModelDeployment's defaults.",

@@ -31,6 +31,10 @@ LMCACHE_PORT = config.LMCACHE_PORT
 LMCACHE_HTTP_PORT = config.LMCACHE_HTTP_PORT
 GATEWAY_PORT = config.GATEWAY_PORT
 GATEWAY_METRICS_PORT = config.GATEWAY_METRICS_PORT
+SHARED_TIER_PORT = config.SHARED_TIER_PORT
+SHARED_TIER_METRICS_PORT = config.SHARED_TIER_METRICS_PORT
+#: The ``app.kubernetes.io/component`` of the shared KV tier's pod (``build/shared_tier.py``).
+SHARED_TIER_COMPONENT = "shared-tier"
 #: The engine container's one port for Prometheus (``PLUGIN_METRICS_PORT``: every series of the pod, no
 #: inference API); the PodMonitor scrapes it by this name.
 ENGINE_METRICS_PORT_NAME = "metrics"
@@ -121,6 +125,10 @@ def gateway_name(model_deployment: str) -> str:
 
 def engine_name(model_deployment: str, pool: str) -> str:
     return f"{model_deployment}-engine" if pool == SHARED_POOL else f"{model_deployment}-{pool}-engine"
+
+
+def shared_tier_name(model_deployment: str) -> str:
+    return f"{model_deployment}-shared-tier"
 
 
 def config_map_name(model_deployment: str) -> str:

@@ -13,6 +13,14 @@ The pod's one port for Prometheus is ``metrics`` (the plugin's server): it re-ex
 the sync's series with the plugin's own and serves no inference API (``build/network.py`` admits scrapers
 there only, and the gateway only on ``http``).
 
+The ModelDeployment's ``spec.pool.podTemplate`` is merged over the pod built here (``_merge_template``):
+its labels and annotations under the operator's, its env after the operator's, its resources over the
+defaults with the LMCache CPU tier (and a CPU engine's KV space) added to memory so the scheduler sees
+them, its node affinity combined with the operator's required terms (every user term also carries them).
+Fields that carry isolation or security are refused by the CRD and by the API model; the builder checks
+the same rules again (``check_pod_template``) before merging: a template that got past both is refused,
+not merged.
+
 A StatefulSet (not a Deployment) gives replicas stable DNS names, which the gateway's prefix affinity
 hashes onto, and one NVMe volume per replica. Those volumes are deleted with the StatefulSet (so with the
 ModelDeployment, or with the Tenant that owns a dedicated pool): cached KV never outlives its pool. A
@@ -24,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet_operator.api.modeldeployment import DEFAULT_GPU_RESOURCE, PodTemplate, check_pod_template
+from kvfleet_operator.api.units import parse_quantity
 from kvfleet_operator.build.common import (
     CONFIG_DIR,
     ENGINE_METRICS_PORT_NAME,
@@ -52,6 +62,15 @@ from kvfleet_operator.build.common import (
 #: The pod name, from the downward API (the NVMe folder on a host path is named after it).
 POD_NAME_ENV = "KVFLEET_POD_NAME"
 
+#: How long an engine pod stays bound to a node that stopped reporting (``node.kubernetes.io/not-ready`` or
+#: ``/unreachable``, NoExecute) before it is evicted. Without it the API server's DefaultTolerationSeconds
+#: admission gives 300 s: five minutes in which the gateway's replica behind that name serves nothing. 30 s
+#: is past the brief blips a node lifecycle controller already absorbs (its grace period, 50 s by default,
+#: runs before the taint exists) and short next to an engine's own start (weights, KV cache).
+NODE_LOSS_TOLERATION_SECONDS = 30
+#: The node condition taints the lifecycle controller sets on a node that stopped reporting.
+NODE_LOSS_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
 
 @dataclass(frozen=True)
 class NvmeVolume:
@@ -69,6 +88,24 @@ class ModelVolume:
     claim_name: str
 
 
+#: Where a Hugging Face source's model cache is mounted (the init container writes it, the engine reads it).
+MODEL_CACHE_MOUNT = "/model-cache"
+#: Where a gs:// source's credentials Secret is mounted (GOOGLE_APPLICATION_CREDENTIALS names its key).
+MODEL_CREDENTIALS_MOUNT = "/var/run/secrets/kvfleet/model-credentials"
+#: The key of a gs:// credentials Secret: a service account key file.
+GCS_CREDENTIALS_KEY = "credentials.json"
+
+
+@dataclass(frozen=True)
+class ModelFetch:
+    """A Hugging Face source: the ``fetch-model`` init container downloads the pool's model (the tenant
+    table's ``model`` at its ``revision``) into the model cache before the engine starts."""
+
+    #: A ReadWriteMany claim the pool's replicas share (one download for the pool); ``None``: an emptyDir
+    #: per replica.
+    cache_claim: str | None = None
+
+
 @dataclass(frozen=True)
 class PoolWorkload:
     """Everything the engine builders need for one pool, already resolved from the CRs."""
@@ -82,7 +119,7 @@ class PoolWorkload:
     #: What vLLM loads (a path under /models for PVC sources, else a Hugging Face id or URI).
     model: str
     gpus_per_replica: int
-    gpu_resource: str = "nvidia.com/gpu"
+    gpu_resource: str = DEFAULT_GPU_RESOURCE
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[Obj, ...] = ()
     #: Labels a node must carry (dedicated GPU groups): a required node affinity, not a preference.
@@ -91,10 +128,49 @@ class PoolWorkload:
     #: taint): a required node affinity ``DoesNotExist``.
     excluded_node_labels: tuple[str, ...] = ()
     model_volume: ModelVolume | None = None
+    #: A Hugging Face source, fetched before the engine starts (``None``: a PVC or object storage).
+    model_fetch: ModelFetch | None = None
+    #: ``spec.model.source.credentialsSecretRef``: environment of the step that reads the weights.
+    credentials_secret: str | None = None
     nvme: NvmeVolume | None = None
     shm_size: str = "8Gi"
     cpu_request: str = "4"
+    #: The engine process's own memory (vLLM, weights staging, activations on the host).
     memory_request: str = "32Gi"
+    #: Memory the replica holds besides the engine's own: the LMCache CPU tier, and on a CPU engine the KV
+    #: cache (``VLLM_CPU_KVCACHE_SPACE``). Added to the memory request (and to a memory limit), so a 256Gi
+    #: CPU tier is visible to the scheduler.
+    tier_memory_bytes: int = 0
+    #: CPU engines only: ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB (``spec.pool.cpuKvCacheSpace``).
+    cpu_kv_cache_gib: int | None = None
+    #: ``spec.pool.podTemplate``, merged over the pod.
+    template: PodTemplate = field(default_factory=PodTemplate)
+
+
+def _tolerates_forever_or_own(toleration: Obj, key: str) -> bool:
+    """Whether ``toleration`` (the user's) already decides how long a pod stays on a node tainted ``key``
+    with NoExecute: the shortest matching ``tolerationSeconds`` wins, so ours would override theirs."""
+    matches_key = toleration.get("key") == key or (
+        not toleration.get("key") and toleration.get("operator") == "Exists"
+    )
+    return matches_key and toleration.get("effect") in (None, "", "NoExecute")
+
+
+def build_node_loss_tolerations(user: tuple[Obj, ...]) -> list[Obj]:
+    """The pool's tolerations: ``user`` (``spec.pool.tolerations``, in order), then a NoExecute toleration of
+    :data:`NODE_LOSS_TOLERATION_SECONDS` for each of :data:`NODE_LOSS_TAINTS` that no user toleration
+    already covers (a user's own ``tolerationSeconds``, or none meaning forever, is left to stand)."""
+    added = [
+        {
+            "key": key,
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": NODE_LOSS_TOLERATION_SECONDS,
+        }
+        for key in NODE_LOSS_TAINTS
+        if not any(_tolerates_forever_or_own(t, key) for t in user)
+    ]
+    return [*user, *added]
 
 
 def _config_args(pool: str) -> list[str]:
@@ -133,6 +209,80 @@ def _affinity(w: PoolWorkload) -> Obj | None:
     }
 
 
+def format_bytes(n: int) -> str:
+    """A byte count as the shortest exact Kubernetes quantity: ``256Gi``, ``1536Mi``, ``1000``."""
+    for suffix, unit in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def _with_tier(memory: str, w: PoolWorkload) -> str:
+    return format_bytes(parse_quantity(memory) + w.tier_memory_bytes) if w.tier_memory_bytes else memory
+
+
+def _resources(w: PoolWorkload) -> Obj:
+    """Defaults, then the template's requests and limits, with the replica's tier memory added to memory;
+    the GPU count is the pool's (the template may not name the GPU resource)."""
+    gpu = str(w.gpus_per_replica)
+    own = w.template.resources
+    requests: dict[str, str] = {"cpu": w.cpu_request, "memory": w.memory_request, **own.requests}
+    requests["memory"] = _with_tier(requests["memory"], w)
+    limits: dict[str, str] = dict(own.limits)
+    if "memory" in limits:
+        limits["memory"] = _with_tier(limits["memory"], w)
+    requests[w.gpu_resource] = limits[w.gpu_resource] = gpu
+    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
+
+
+def _merge_affinity(operator: Obj | None, w: PoolWorkload) -> Obj | None:
+    """The template's affinity with the operator's required node terms in every required term (terms are
+    ORed, expressions within one ANDed): no user term can lead off what the operator requires."""
+    user = w.template.affinity
+    if user is None:
+        return operator
+    merged: Obj = user.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True, mode="json")
+    ours: list[Obj] = []
+    if operator is not None:
+        ours = operator["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ][0]["matchExpressions"]
+    node = merged.setdefault("nodeAffinity", {})
+    required = node.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is None:
+        if ours:
+            node["requiredDuringSchedulingIgnoredDuringExecution"] = {
+                "nodeSelectorTerms": [{"matchExpressions": list(ours)}]
+            }
+    else:
+        for term in required["nodeSelectorTerms"]:
+            term["matchExpressions"] = [*term.get("matchExpressions", []), *ours]
+    if not node:
+        del merged["nodeAffinity"]
+    return merged or None
+
+
+def _env(w: PoolWorkload) -> list[Obj]:
+    """The operator's variables, then the template's; a template variable of the same name (``HOME``)
+    replaces the operator's. The reserved ones (tenant table, plugin, LMCache) never get here."""
+    own = [e.model_dump(by_alias=True, exclude_none=True, mode="json") for e in w.template.env]
+    names = {e["name"] for e in own}
+    operator: list[Obj] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "VLLM_PLUGINS", "value": "kvfleet"},
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    return [e for e in operator if e["name"] not in names] + own
+
+
+def _engine_args(w: PoolWorkload) -> list[str]:
+    """The launcher's build: ``--gpu`` on GPUs (vLLM sizes its KV cache; any block size), else the CPU
+    build's KV space in whole GiB (``spec.pool.cpuKvCacheSpace``; without it the launcher's default)."""
+    if w.gpus_per_replica > 0:
+        return ["--gpu"]
+    return ["--cpu-kv-gib", str(w.cpu_kv_cache_gib)] if w.cpu_kv_cache_gib is not None else []
+
+
 def _nvme_dir(w: PoolWorkload) -> str:
     """The replica's NVMe folder. On a host path, ``<namespace>/<pod>`` below it (the container expands
     ``$(KVFLEET_POD_NAME)``): two pools or two replicas on one node never share LMCache's files."""
@@ -141,11 +291,70 @@ def _nvme_dir(w: PoolWorkload) -> str:
     return NVME_MOUNT
 
 
+def _add_model_source(w: PoolWorkload, engine: Obj, volumes: list[Obj]) -> list[Obj]:
+    """Wire the model source into the pod; return its init containers.
+
+    Hugging Face: ``kvfleet engine fetch-model`` downloads into the model cache (the shared claim or an
+    emptyDir) with the credentials Secret as its environment (HF_TOKEN, HF_ENDPOINT); the engine mounts
+    the cache read-only and loads the fetched folder offline. Object storage: the engine itself reads the
+    Secret (s3:// as environment, gs:// as a key file), since vLLM streams the weights at load.
+    """
+    secret = w.credentials_secret
+    if w.model_fetch is None:
+        if secret is not None and w.model.startswith("gs://"):
+            volumes.append({"name": "model-credentials", "secret": {"secretName": secret}})
+            engine["volumeMounts"].append(
+                {"name": "model-credentials", "mountPath": MODEL_CREDENTIALS_MOUNT, "readOnly": True}
+            )
+            engine["env"].append(
+                {
+                    "name": "GOOGLE_APPLICATION_CREDENTIALS",
+                    "value": f"{MODEL_CREDENTIALS_MOUNT}/{GCS_CREDENTIALS_KEY}",
+                }
+            )
+        elif secret is not None:
+            engine["envFrom"] = [{"secretRef": {"name": secret}}]
+        return []
+    claim = w.model_fetch.cache_claim
+    volumes.append(
+        {"name": "model-cache", "persistentVolumeClaim": {"claimName": claim}}
+        if claim is not None
+        else {"name": "model-cache", "emptyDir": {}}
+    )
+    engine["volumeMounts"].append({"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True})
+    fetch: Obj = {
+        "name": "fetch-model",
+        "image": w.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "kvfleet",
+            "engine",
+            "fetch-model",
+            *_config_args(w.pool),
+            "--model-cache",
+            MODEL_CACHE_MOUNT,
+        ],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        # Downloading is network and disk, not compute: small requests, no GPU.
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+        "securityContext": restricted_container_security(),
+        "volumeMounts": [*_config_mounts(), {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
+    }
+    if secret is not None:
+        fetch["envFrom"] = [{"secretRef": {"name": secret}}]
+    return [fetch]
+
+
 def build_engine_statefulset(w: PoolWorkload) -> Obj:
+    """The pool's StatefulSet. Raises ``ValueError`` when the pod template sets a field that carries
+    isolation or security (the CRD and the API model refuse it first; this is the last line)."""
+    problems = check_pod_template(w.template)
+    if problems:
+        raise ValueError("; ".join(problems))
     name = engine_name(w.model_deployment, w.pool)
     labels = object_labels(w.model_deployment, "engine", w.pool)
     selector = selector_labels(w.model_deployment, "engine", w.pool)
-    gpu = str(w.gpus_per_replica)
+    template = w.template
     engine: Obj = {
         "name": "engine",
         "image": w.image,
@@ -173,21 +382,16 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
             str(PLUGIN_METRICS_PORT),
             "--state-dir",
             "/tmp/kvfleet",
+            *_engine_args(w),
             *(["--nvme-dir", _nvme_dir(w)] if w.nvme is not None else []),
+            *(["--model-cache", MODEL_CACHE_MOUNT] if w.model_fetch is not None else []),
         ],
-        "env": [
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "VLLM_PLUGINS", "value": "kvfleet"},
-            {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        ],
+        "env": _env(w),
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
             {"name": ENGINE_METRICS_PORT_NAME, "containerPort": PLUGIN_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": {
-            "requests": {"cpu": w.cpu_request, "memory": w.memory_request, w.gpu_resource: gpu},
-            "limits": {w.gpu_resource: gpu},
-        },
+        "resources": _resources(w),
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 10,
@@ -216,6 +420,7 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
             }
         )
         engine["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    init_containers = _add_model_source(w, engine, volumes)
     claim_templates: list[Obj] = []
     if w.nvme is not None:
         engine["volumeMounts"].append({"name": "nvme", "mountPath": NVME_MOUNT})
@@ -240,19 +445,36 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
         "containers": [engine],
         "volumes": volumes,
     }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if template.env_from:
+        engine["envFrom"] = [
+            *engine.get("envFrom", []),
+            *(e.model_dump(by_alias=True, exclude_none=True, mode="json") for e in template.env_from),
+        ]
     if w.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(w.node_selector.items()))
-    if w.tolerations:
-        pod_spec["tolerations"] = list(w.tolerations)
-    affinity = _affinity(w)
+    tolerations = build_node_loss_tolerations(w.tolerations)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    affinity = _merge_affinity(_affinity(w), w)
     if affinity is not None:
         pod_spec["affinity"] = affinity
+    if template.runtime_class_name:
+        pod_spec["runtimeClassName"] = template.runtime_class_name
+    if template.priority_class_name:
+        pod_spec["priorityClassName"] = template.priority_class_name
+    if template.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in template.image_pull_secrets]
+    pod_meta: Obj = {"labels": {**template.labels, **labels}}  # the operator's labels win
+    if template.annotations:
+        pod_meta["annotations"] = dict(sorted(template.annotations.items()))
     spec: Obj = {
         "replicas": w.replicas,
         "serviceName": name,
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector},
-        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        "template": {"metadata": pod_meta, "spec": pod_spec},
     }
     if claim_templates:
         spec["volumeClaimTemplates"] = claim_templates

@@ -1,9 +1,19 @@
-"""The tenant-aware gateway of one ModelDeployment: Deployment, Service, PodDisruptionBudgets. Pure."""
+"""The tenant-aware gateway of one ModelDeployment: Deployment, Services, PodDisruptionBudgets, and the
+objects that expose it outside the cluster (``spec.gateway.exposure``). Pure.
+
+Exposure (docs/operations.md, "Exposure"): the client Service carries the OpenAI API port only, with the
+type the spec asks for; the metrics port has its own ClusterIP Service, so a LoadBalancer or NodePort never
+publishes the metrics (they name every tenant). An Ingress or an HTTPRoute routes the path prefix ``/v1``
+(the OpenAI API) to the client Service; the health endpoints stay inside the cluster.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
+from kvfleet_operator.api.modeldeployment import ExposureSpec, FairQueuingOrder, ServiceType
 from kvfleet_operator.build.common import (
     CONFIG_DIR,
     GATEWAY_METRICS_PORT,
@@ -23,6 +33,17 @@ from kvfleet_operator.build.common import (
     restricted_pod_security,
     selector_labels,
 )
+from kvfleet_operator.build.engine import build_node_loss_tolerations
+
+#: Seconds a gateway pod keeps serving after Kubernetes decides to stop it and before it gets SIGTERM (the
+#: preStop sleep): long enough for the pod's removal from the Service's endpoints to reach every node's
+#: proxy, so no new connection is sent to a gateway that has begun to drain.
+GATEWAY_PRESTOP_SLEEP_S = 5
+#: Seconds in-flight requests (streams included) get to finish after SIGTERM (``--drain-timeout``).
+GATEWAY_DRAIN_TIMEOUT_S = 60
+#: The kubelet's SIGKILL comes this long after the pod starts terminating: preStop + drain + a margin for
+#: the process to exit.
+GATEWAY_TERMINATION_GRACE_S = GATEWAY_PRESTOP_SLEEP_S + GATEWAY_DRAIN_TIMEOUT_S + 10
 
 
 @dataclass(frozen=True)
@@ -35,7 +56,34 @@ class GatewayWorkload:
     cpu_request: str = "500m"
     memory_request: str = "256Mi"
     memory_limit: str = "1Gi"
-    service_type: str = "ClusterIP"
+    exposure: ExposureSpec = field(default_factory=ExposureSpec)
+    #: ``spec.gateway.fairQueuing``, ``.engineInFlightPerReplica`` and ``.queueTimeout`` (seconds); ``None``:
+    #: not rendered, the gateway's own default.
+    fair_queuing: FairQueuingOrder | None = None
+    engine_in_flight_per_replica: int | None = None
+    queue_timeout_s: float | None = None
+
+
+def gateway_engine_in_flight(engine_in_flight_per_replica: int, gateway_replicas: int) -> int:
+    """What one gateway replica may give one engine replica at once (its ``--engine-in-flight-per-replica``):
+    the spec's figure, which is per engine replica over all gateway replicas, split over the gateway replicas
+    and rounded up (each gateway replica holds and orders its own requests). 0 stays 0: no limit."""
+    if engine_in_flight_per_replica == 0:
+        return 0
+    return -(-engine_in_flight_per_replica // max(1, gateway_replicas))
+
+
+def gateway_fair_queuing_args(g: GatewayWorkload) -> list[str]:
+    """The gateway flags for what ``spec.gateway`` sets of fair queuing; nothing for what it leaves unset."""
+    args: list[str] = []
+    if g.fair_queuing is not None:
+        args += ["--fair-queuing", g.fair_queuing.value]
+    if g.engine_in_flight_per_replica is not None:
+        per_gateway = gateway_engine_in_flight(g.engine_in_flight_per_replica, g.replicas)
+        args += ["--engine-in-flight-per-replica", str(per_gateway)]
+    if g.queue_timeout_s is not None:
+        args += ["--queue-timeout", f"{g.queue_timeout_s:g}"]
+    return args
 
 
 def build_gateway_deployment(g: GatewayWorkload) -> Obj:
@@ -59,6 +107,9 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
             # Each replica enforces 1/replicas of every tenant's rate limits.
             "--replicas",
             str(g.replicas),
+            "--drain-timeout",
+            str(GATEWAY_DRAIN_TIMEOUT_S),
+            *gateway_fair_queuing_args(g),
         ],
         "ports": [
             {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
@@ -70,6 +121,8 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
         },
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
+        # The sleep action needs no binary in the image (Kubernetes >= 1.30, the chart's kubeVersion).
+        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
         "securityContext": restricted_container_security(),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
@@ -88,7 +141,11 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": GATEWAY_TERMINATION_GRACE_S,
                     "securityContext": restricted_pod_security(),
+                    # Like the engines': a gateway pod on a node that stopped reporting is evicted (and
+                    # its Deployment starts another) after 30 s, not DefaultTolerationSeconds' 300 s.
+                    "tolerations": build_node_loss_tolerations(()),
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": config_map_name(g.model_deployment)}},
@@ -100,26 +157,167 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
     }
 
 
+#: The path prefix an Ingress or HTTPRoute sends to the gateway: the OpenAI API, nothing else.
+EXPOSED_PATH_PREFIX = "/v1"
+
+
+def gateway_metrics_service_name(model_deployment: str) -> str:
+    return f"{gateway_name(model_deployment)}-metrics"
+
+
 def build_gateway_service(g: GatewayWorkload) -> Obj:
-    name = gateway_name(g.model_deployment)
+    """The client Service: the API port only, of the type ``spec.gateway.exposure.service`` asks for."""
+    service = g.exposure.service
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(name, g.namespace, object_labels(g.model_deployment, "gateway"), g.owner),
+        "metadata": metadata(
+            gateway_name(g.model_deployment),
+            g.namespace,
+            object_labels(g.model_deployment, "gateway"),
+            g.owner,
+            dict(sorted(service.annotations.items())) or None,
+        ),
         "spec": {
-            "type": g.service_type,
+            "type": service.type.value,
+            "selector": selector_labels(g.model_deployment, "gateway"),
+            "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_gateway_metrics_service(g: GatewayWorkload) -> Obj:
+    """The metrics port's own Service, always ClusterIP: whatever the client Service's type, the metrics
+    stay in the cluster (the ServiceMonitor finds this one by its ``metrics`` port; the NetworkPolicy
+    admits only the labelled scrapers to it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(
+            gateway_metrics_service_name(g.model_deployment),
+            g.namespace,
+            object_labels(g.model_deployment, "gateway"),
+            g.owner,
+        ),
+        "spec": {
+            "type": ServiceType.CLUSTER_IP.value,
             "selector": selector_labels(g.model_deployment, "gateway"),
             "ports": [
-                {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"},
-                # For the ServiceMonitor; the NetworkPolicy admits only labelled scrapers to it.
-                {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+                {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
             ],
         },
     }
 
 
-def gateway_endpoint(g: GatewayWorkload) -> str:
+def build_gateway_ingress(g: GatewayWorkload) -> Obj | None:
+    """The Ingress of ``spec.gateway.exposure.ingress`` (``None`` without one): ``host`` + ``/v1`` to the
+    client Service, TLS from the named Secret, terminated by the ingress controller."""
+    ingress = g.exposure.ingress
+    if ingress is None:
+        return None
+    backend = {"service": {"name": gateway_name(g.model_deployment), "port": {"number": GATEWAY_PORT}}}
+    spec: Obj = {}
+    if ingress.class_name:
+        spec["ingressClassName"] = ingress.class_name
+    if ingress.tls is not None:
+        spec["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls.secret_name}]
+    spec["rules"] = [
+        {
+            "host": ingress.host,
+            "http": {"paths": [{"path": EXPOSED_PATH_PREFIX, "pathType": "Prefix", "backend": backend}]},
+        }
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": metadata(
+            gateway_name(g.model_deployment),
+            g.namespace,
+            object_labels(g.model_deployment, "gateway"),
+            g.owner,
+            dict(sorted(ingress.annotations.items())) or None,
+        ),
+        "spec": spec,
+    }
+
+
+def build_gateway_http_route(g: GatewayWorkload) -> Obj | None:
+    """The Gateway API HTTPRoute of ``spec.gateway.exposure.httpRoute`` (``None`` without one): its
+    hostnames + ``/v1`` to the client Service, attached to the named Gateways (which terminate TLS)."""
+    route = g.exposure.http_route
+    if route is None:
+        return None
+    parents = [p.model_dump(by_alias=True, exclude_none=True) for p in route.parent_refs]
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": metadata(
+            gateway_name(g.model_deployment),
+            g.namespace,
+            object_labels(g.model_deployment, "gateway"),
+            g.owner,
+        ),
+        "spec": {
+            "parentRefs": parents,
+            "hostnames": list(route.hostnames),
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": EXPOSED_PATH_PREFIX}}],
+                    "backendRefs": [{"name": gateway_name(g.model_deployment), "port": GATEWAY_PORT}],
+                }
+            ],
+        },
+    }
+
+
+def build_gateway_exposure(g: GatewayWorkload) -> list[Obj]:
+    """The Ingress or HTTPRoute the spec asks for (none by default)."""
+    return [obj for obj in (build_gateway_ingress(g), build_gateway_http_route(g)) if obj is not None]
+
+
+def cluster_endpoint(g: GatewayWorkload) -> str:
+    """The gateway's in-cluster base URL (the client Service's DNS name)."""
     return f"http://{gateway_name(g.model_deployment)}.{g.namespace}.svc:{GATEWAY_PORT}/v1"
+
+
+def load_balancer_address(service: Obj | None) -> str | None:
+    """The first address the cloud's load balancer controller published on the Service
+    (``status.loadBalancer.ingress``: a hostname or an IP), or ``None`` while none is assigned."""
+    for entry in ((service or {}).get("status") or {}).get("loadBalancer", {}).get("ingress") or []:
+        address = entry.get("hostname") or entry.get("ip")
+        if address:
+            return str(address)
+    return None
+
+
+def _host_port(address: str, port: int) -> str:
+    try:
+        is_v6 = ipaddress.ip_address(address).version == 6
+    except ValueError:
+        is_v6 = False
+    return f"[{address}]:{port}" if is_v6 else f"{address}:{port}"
+
+
+def gateway_endpoint(
+    g: GatewayWorkload, live_service: Obj | None = None, withheld: Collection[str] = ()
+) -> str:
+    """The base URL clients use (``status.endpoint``): the Ingress host (https with TLS), else the
+    HTTPRoute's first hostname (https when its Gateway's listener terminates TLS), else a LoadBalancer's
+    address once the cloud assigned one (``live_service``: the client Service as read), else the in-cluster
+    URL. ``withheld``: kinds (``Ingress``, ``HTTPRoute``) the operator could not create, which give no URL.
+    """
+    exposure = g.exposure
+    if exposure.ingress is not None and "Ingress" not in withheld:
+        scheme = "https" if exposure.ingress.tls is not None else "http"
+        return f"{scheme}://{exposure.ingress.host}{EXPOSED_PATH_PREFIX}"
+    if exposure.http_route is not None and "HTTPRoute" not in withheld:
+        scheme = "https" if exposure.http_route.https else "http"
+        return f"{scheme}://{exposure.http_route.hostnames[0]}{EXPOSED_PATH_PREFIX}"
+    if exposure.service.type is ServiceType.LOAD_BALANCER:
+        address = load_balancer_address(live_service)
+        if address is not None:
+            return f"http://{_host_port(address, GATEWAY_PORT)}{EXPOSED_PATH_PREFIX}"
+    return cluster_endpoint(g)
 
 
 def build_pdb(

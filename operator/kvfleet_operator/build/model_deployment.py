@@ -6,11 +6,12 @@ pools. The reconcile shell reads the world, calls it, plans against what exists 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.common import GPU_GROUP_LABEL
+from kvfleet_operator.api.units import parse_duration, parse_quantity
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     KEY_FILE_KEY,
@@ -19,12 +20,14 @@ from kvfleet_operator.build.common import (
     Obj,
     b64,
     config_map_name,
+    gateway_name,
     keys_secret_name,
     metadata,
     object_labels,
     owner_of,
 )
 from kvfleet_operator.build.engine import (
+    ModelFetch,
     ModelVolume,
     NvmeVolume,
     PoolWorkload,
@@ -36,16 +39,29 @@ from kvfleet_operator.build.gateway import (
     GatewayWorkload,
     build_engine_pdb,
     build_gateway_deployment,
+    build_gateway_exposure,
+    build_gateway_metrics_service,
     build_gateway_pdb,
     build_gateway_service,
     gateway_endpoint,
 )
 from kvfleet_operator.build.gpu_groups import tolerates_gpu_groups
-from kvfleet_operator.build.monitoring import build_engine_pod_monitor, build_gateway_service_monitor
+from kvfleet_operator.build.monitoring import (
+    build_engine_pod_monitor,
+    build_gateway_service_monitor,
+    build_shared_tier_pod_monitor,
+)
 from kvfleet_operator.build.network import (
     MetricsScrapers,
+    OperatorPeer,
     build_engine_network_policy,
     build_gateway_network_policy,
+    build_shared_tier_network_policy,
+)
+from kvfleet_operator.build.shared_tier import (
+    build_shared_tier_deployment,
+    build_shared_tier_service,
+    shared_tier_bytes,
 )
 from kvfleet_operator.build.tenant_table import (
     PoolCapacity,
@@ -57,6 +73,7 @@ from kvfleet_operator.build.tenant_table import (
 from kvfleet_runtime.config import KeyFile, TenantTable, dump_json
 
 GPU_POOL_LABEL = "kvfleet.io/gpu-pool"
+GIB = 1 << 30
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
@@ -68,7 +85,8 @@ class OperatorImages:
     gateway: str
 
 
-def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkload:
+def shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkload:
+    """The shared pool's workload, resolved from ``md`` (dedicated pools derive theirs from it)."""
     spec = md.spec
     meta = md.metadata
     node_selector = dict(spec.pool.node_selector)
@@ -88,18 +106,45 @@ def _shared_workload(md: ModelDeployment, images: OperatorImages) -> PoolWorkloa
         image=spec.engine.image or images.engine,
         model=model_path(md),
         gpus_per_replica=spec.pool.gpus_per_replica,
+        gpu_resource=spec.pool.gpu_resource,
         node_selector=node_selector,
         tolerations=tolerations,
         # A wildcard toleration would admit a dedicated group's taint: the shared pool stays off the groups.
         excluded_node_labels=(GPU_GROUP_LABEL,) if tolerates_gpu_groups(tolerations) else (),
         model_volume=ModelVolume(spec.model.source.pvc.claim_name) if spec.model.source.pvc else None,
+        model_fetch=ModelFetch(spec.model.source.cache_claim_name)
+        if spec.model.source.hugging_face
+        else None,
+        credentials_secret=(
+            spec.model.source.credentials_secret_ref.name
+            if spec.model.source.credentials_secret_ref
+            else None
+        ),
         nvme=_nvme(md),
+        tier_memory_bytes=compute_tier_memory_bytes(md),
+        cpu_kv_cache_gib=cpu_kv_cache_gib(md),
+        template=spec.pool.pod_template,
     )
     if spec.pool.gpus_per_replica == 0:
         # A CPU engine (demos, tests) runs on an ordinary node; the GPU-node requests (4 CPUs, 32Gi) would
         # leave it unschedulable on a small one.
         return replace(workload, cpu_request="1", memory_request="4Gi")
     return workload
+
+
+def cpu_kv_cache_gib(md: ModelDeployment) -> int | None:
+    """``spec.pool.cpuKvCacheSpace`` in GiB, as vLLM's CPU build reads ``VLLM_CPU_KVCACHE_SPACE`` (an
+    integer; the API takes whole GiB only)."""
+    space = md.spec.pool.cpu_kv_cache_space
+    return None if space is None else parse_quantity(space) // GIB
+
+
+def compute_tier_memory_bytes(md: ModelDeployment) -> int:
+    """Host memory a replica holds besides the engine's own: the LMCache CPU tier and a CPU engine's KV
+    cache. The engine's memory request carries it, so the scheduler places a 256Gi CPU tier only where it
+    fits. (LMCache's small L1 floor for an NVMe-only pool fits in the engine's own request.)"""
+    space = md.spec.pool.cpu_kv_cache_space
+    return parse_quantity(md.spec.kv_cache.cpu_size) + (parse_quantity(space) if space is not None else 0)
 
 
 def _nvme(md: ModelDeployment) -> NvmeVolume | None:
@@ -112,28 +157,24 @@ def _nvme(md: ModelDeployment) -> NvmeVolume | None:
 def _dedicated_workload(
     md: ModelDeployment, tenant: Tenant, pool: str, images: OperatorImages
 ) -> PoolWorkload:
-    shared = _shared_workload(md, images)
+    shared = shared_workload(md, images)
     dedicated = tenant.spec.dedicated
     if dedicated is None:  # guarded by the CRD (CEL) and the model validator
         raise ValueError("spec.dedicated is required for isolation: dedicated")
     group = dedicated.gpu_group
     node_selector = {k: v for k, v in shared.node_selector.items() if k != GPU_POOL_LABEL}
-    return PoolWorkload(
-        namespace=shared.namespace,
-        model_deployment=shared.model_deployment,
+    # Everything else (image, model, GPUs, template, requests) is the shared pool's: same engine shape.
+    return replace(
+        shared,
         pool=pool,
         owner=owner_of(tenant),
         replicas=dedicated.replicas,
-        image=shared.image,
-        model=shared.model,
-        gpus_per_replica=shared.gpus_per_replica,
         node_selector=node_selector,
         # No effect: tolerates the group's NoSchedule and NoExecute taints alike (NoExecute also keeps off
         # a pod created with spec.nodeName, which skips the scheduler).
         tolerations=(*shared.tolerations, {"key": GPU_GROUP_LABEL, "operator": "Equal", "value": group}),
         required_node_labels={GPU_GROUP_LABEL: group},
-        model_volume=shared.model_volume,
-        nvme=shared.nvme,
+        excluded_node_labels=(),
     )
 
 
@@ -150,11 +191,23 @@ def _gateway_workload(md: ModelDeployment, images: OperatorImages) -> GatewayWor
         cpu_request=(requests.cpu if requests and requests.cpu else "500m"),
         memory_request=(requests.memory if requests and requests.memory else "256Mi"),
         memory_limit=(limits.memory if limits and limits.memory else "1Gi"),
+        exposure=spec.exposure,
+        fair_queuing=spec.fair_queuing,
+        engine_in_flight_per_replica=spec.engine_in_flight_per_replica,
+        queue_timeout_s=None if spec.queue_timeout is None else parse_duration(spec.queue_timeout),
     )
 
 
-def compute_endpoint(md: ModelDeployment, images: OperatorImages) -> str:
-    return gateway_endpoint(_gateway_workload(md, images))
+def compute_endpoint(
+    md: ModelDeployment, images: OperatorImages, children: Sequence[Obj] = (), withheld: Collection[str] = ()
+) -> str:
+    """``status.endpoint``: see ``build.gateway.gateway_endpoint``; ``children`` as listed (the client
+    Service's live status has a LoadBalancer's address), ``withheld`` the exposure kinds not created."""
+    name = gateway_name(str(md.metadata["name"]))
+    service = next(
+        (o for o in children if o.get("kind") == "Service" and o["metadata"]["name"] == name), None
+    )
+    return gateway_endpoint(_gateway_workload(md, images), service, withheld)
 
 
 def build_config_map(md: ModelDeployment, table: TenantTable) -> Obj:
@@ -191,14 +244,17 @@ def build_desired_children(
     images: OperatorImages,
     monitoring: bool = False,
     scrapers: MetricsScrapers | None = None,
+    operator: OperatorPeer | None = None,
 ) -> list[Obj]:
-    """All children of ``md``: runtime config, the shared pool, the gateway, and dedicated pools.
+    """All children of ``md``: runtime config, the shared pool, the gateway, dedicated pools, and the
+    shared pool's KV tier across replicas when ``spec.kvCache.shared`` enables it.
 
     ``monitoring``: the cluster serves monitoring.coreos.com/v1, so add a ServiceMonitor and PodMonitor.
-    ``scrapers``: who the NetworkPolicies admit to the metrics ports (default: ``MetricsScrapers()``).
+    ``scrapers``: who the NetworkPolicies admit to the metrics ports (default: ``MetricsScrapers()``);
+    ``operator``: the operator's pods, admitted to the engines' metrics port to read their KV capacity.
     """
     namespace, name = str(md.metadata["namespace"]), str(md.metadata["name"])
-    shared = _shared_workload(md, images)
+    shared = shared_workload(md, images)
     workloads = [shared]
     by_name = {str(t.metadata["name"]): t for t in tenants}
     for decision in decisions:
@@ -212,16 +268,28 @@ def build_desired_children(
         build_keys_secret(md, keys),
         build_gateway_deployment(gateway),
         build_gateway_service(gateway),
+        build_gateway_metrics_service(gateway),
         build_gateway_pdb(gateway),
         build_gateway_network_policy(namespace, name, owner_of(md), scrapers),
+        *build_gateway_exposure(gateway),
     ]
     for w in workloads:
         children += [
             build_engine_statefulset(w),
             build_engine_service(w),
             build_engine_pdb(namespace, name, w.pool, w.owner),
-            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers),
+            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers, operator),
         ]
+    if size := shared_tier_bytes(md):
+        children += [
+            build_shared_tier_deployment(
+                namespace, name, owner_of(md), md.spec.engine.image or images.engine, size
+            ),
+            build_shared_tier_service(namespace, name, owner_of(md)),
+            build_shared_tier_network_policy(namespace, name, owner_of(md), scrapers),
+        ]
+        if monitoring:
+            children.append(build_shared_tier_pod_monitor(namespace, name, owner_of(md)))
     if monitoring:
         children += [
             build_gateway_service_monitor(gateway),

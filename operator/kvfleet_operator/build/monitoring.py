@@ -6,12 +6,14 @@ from kvfleet_operator.build.common import (
     ENGINE_METRICS_PORT_NAME,
     LABEL_INSTANCE,
     LABEL_NAME,
+    SHARED_TIER_COMPONENT,
     Obj,
     Owner,
     gateway_name,
     metadata,
     object_labels,
     selector_labels,
+    shared_tier_name,
 )
 from kvfleet_operator.build.gateway import GatewayWorkload
 
@@ -55,5 +57,24 @@ def build_engine_pod_monitor(namespace: str, model_deployment: str, owner: Owner
             "podMetricsEndpoints": [
                 {"port": ENGINE_METRICS_PORT_NAME, "path": "/metrics", "interval": "15s"}
             ],
+        },
+    }
+
+
+def build_shared_tier_pod_monitor(namespace: str, model_deployment: str, owner: Owner) -> Obj:
+    """The shared KV tier's pod on its ``metrics`` port (per-salt bytes, quotas, evictions, requests), the
+    only port its NetworkPolicy opens to scrapers; never the KV port."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": metadata(
+            shared_tier_name(model_deployment),
+            namespace,
+            object_labels(model_deployment, SHARED_TIER_COMPONENT),
+            owner,
+        ),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(model_deployment, SHARED_TIER_COMPONENT)},
+            "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
         },
     }

@@ -6,7 +6,12 @@ admit what the pod must serve, and nothing else:
 * vLLM's OpenAI port (``ENGINE_PORT``) from this ModelDeployment's gateway pods, in its namespace only;
 * the plugin's metrics port (``PLUGIN_METRICS_PORT``, which serves no inference API: it re-exports vLLM's,
   LMCache's and the quota sync's series, see ``kvfleet_runtime.engine.metrics_server``) from the
-  configured metrics scrapers (:class:`MetricsScrapers`).
+  configured metrics scrapers (:class:`MetricsScrapers`) and, when it runs in the cluster, the operator's
+  own pods (:class:`OperatorPeer`): it reads the KV blocks vLLM allocated there
+  (``kvfleet_operator.reconcile.capacity``), and nowhere else on the pod.
+
+The shared KV tier's pod (``spec.kvCache.shared``, ``build.shared_tier``) has its own policy: its KV port
+from the shared pool's engine pods only, its metrics port from the scrapers.
 
 LMCache's ZMQ and HTTP ports, the sync's metrics and the plugin's debug endpoint are in no rule: they bind
 the pod's loopback (the launcher), which no other pod reaches and NetworkPolicy does not govern.
@@ -25,6 +30,10 @@ from kvfleet_operator.build.common import (
     GATEWAY_PORT,
     LABEL_SCRAPER,
     PLUGIN_METRICS_PORT,
+    SHARED_POOL,
+    SHARED_TIER_COMPONENT,
+    SHARED_TIER_METRICS_PORT,
+    SHARED_TIER_PORT,
     Obj,
     Owner,
     engine_name,
@@ -32,6 +41,7 @@ from kvfleet_operator.build.common import (
     metadata,
     object_labels,
     selector_labels,
+    shared_tier_name,
 )
 
 #: The label the API server sets on every namespace to its name; no tenant can put it on another namespace.
@@ -99,6 +109,37 @@ class MetricsScrapers(CrdModel):
         }
 
 
+class OperatorPeer(CrdModel):
+    """The operator's own pods, as one NetworkPolicy peer: admitted to the engines' metrics port only,
+    where it reads the KV blocks each engine allocated. Set by the chart from its release
+    (``KVFLEET_OPERATOR_PEER``: its namespace by name, its pods by the Deployment's selector labels); unset
+    when the operator runs outside the cluster (then no engine policy names it)."""
+
+    namespace_selector: LabelSelector
+    pod_selector: LabelSelector
+
+    def peer(self) -> Obj:
+        return {
+            "namespaceSelector": self.namespace_selector.render(),
+            "podSelector": self.pod_selector.render(),
+        }
+
+
+def parse_operator_peer(text: str | None) -> OperatorPeer | None:
+    """The operator's peer from its JSON (``KVFLEET_OPERATOR_PEER``); empty or ``None``: none.
+
+    Raises ``ValueError`` (pydantic's ``ValidationError`` is one) for anything that is not a pair of label
+    selectors, or for an empty selector, which would admit every namespace or every pod.
+    """
+    if not text or not text.strip():
+        return None
+    peer = OperatorPeer.model_validate_json(text)
+    for selector in (peer.namespace_selector, peer.pod_selector):
+        if not selector.render():
+            raise ValueError("KVFLEET_OPERATOR_PEER: an empty selector would admit every pod of the cluster")
+    return peer
+
+
 def parse_metrics_scrapers(text: str | None) -> MetricsScrapers:
     """The scrapers from their JSON (``KVFLEET_METRICS_SCRAPERS``); empty or ``None``: the default.
 
@@ -113,11 +154,17 @@ def _ports(*ports: int) -> list[Obj]:
 
 
 def build_engine_network_policy(
-    namespace: str, model_deployment: str, pool: str, owner: Owner, scrapers: MetricsScrapers | None = None
+    namespace: str,
+    model_deployment: str,
+    pool: str,
+    owner: Owner,
+    scrapers: MetricsScrapers | None = None,
+    operator: OperatorPeer | None = None,
 ) -> Obj:
-    """The pool's engine pods accept the gateway on the inference port and scrapers on the metrics port;
-    nothing else (see the module docstring)."""
+    """The pool's engine pods accept the gateway on the inference port, and scrapers (and the operator,
+    when given) on the metrics port; nothing else (see the module docstring)."""
     scrapers = scrapers or MetricsScrapers()
+    readers = [scrapers.peer()] + ([operator.peer()] if operator is not None else [])
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -136,7 +183,43 @@ def build_engine_network_policy(
                     "from": [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}],
                     "ports": _ports(ENGINE_PORT),
                 },
-                {"from": [scrapers.peer()], "ports": _ports(PLUGIN_METRICS_PORT)},
+                {"from": readers, "ports": _ports(PLUGIN_METRICS_PORT)},
+            ],
+        },
+    }
+
+
+def build_shared_tier_network_policy(
+    namespace: str, model_deployment: str, owner: Owner, scrapers: MetricsScrapers | None = None
+) -> Obj:
+    """The shared KV tier holds every salted tenant's chunks of the shared pool: only that pool's engine
+    pods (in this namespace) reach its KV port; scrapers its metrics port; nothing else (not the gateway,
+    not a dedicated pool's engines)."""
+    scrapers = scrapers or MetricsScrapers()
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(
+            shared_tier_name(model_deployment),
+            namespace,
+            object_labels(model_deployment, SHARED_TIER_COMPONENT),
+            owner,
+        ),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(model_deployment, SHARED_TIER_COMPONENT)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "podSelector": {
+                                "matchLabels": selector_labels(model_deployment, "engine", SHARED_POOL)
+                            }
+                        }
+                    ],
+                    "ports": _ports(SHARED_TIER_PORT),
+                },
+                {"from": [scrapers.peer()], "ports": _ports(SHARED_TIER_METRICS_PORT)},
             ],
         },
     }

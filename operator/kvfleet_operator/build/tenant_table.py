@@ -26,6 +26,7 @@ from kvfleet_operator.api.tenant import QuotaTerms
 from kvfleet_operator.api.units import parse_duration, parse_quantity
 from kvfleet_operator.build.common import MODEL_MOUNT, NVME_MOUNT, SHARED_POOL
 from kvfleet_operator.build.keys import pool_salt_id, tenant_salt_id
+from kvfleet_operator.build.shared_tier import shared_tier_bytes, shared_tier_host, with_shared_tier
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
     EngineSettings,
@@ -72,12 +73,6 @@ def resolve_architecture(md: ModelDeployment) -> ModelArchitecture:
     arch = md.spec.model.architecture
     if arch.preset is not None:
         return get_preset(str(arch.preset.value)).architecture
-    if arch.from_config:
-        raise SizingError(
-            "spec.model.architecture.fromConfig: the operator cannot read config.json before an engine "
-            "starts, so it cannot size the KV cache for quota admission; set spec.model.architecture."
-            "preset or the explicit fields (kvfleet plan --config-json prints them)"
-        )
     return build_model_architecture(**arch.to_sizing_fields())
 
 
@@ -116,6 +111,7 @@ def compute_pool_capacity(md: ModelDeployment) -> PoolCapacity:
             tensor_parallel=engine.tensor_parallel_size,
             pipeline_parallel=engine.pipeline_parallel_size,
             gpu_memory_utilization=engine.gpu_memory_utilization,
+            reserve_bytes_per_gpu=parse_quantity(spec.pool.reserve_per_gpu),
         )
     nvme = spec.kv_cache.nvme
     return PoolCapacity(
@@ -449,6 +445,11 @@ def build_tenant_table(
         )
 
     pools[SHARED_POOL] = _pool(SHARED_POOL, None)
+    if shared_tier_bytes(md):
+        # Only the shared pool's replicas reach the shared KV tier; dedicated pools keep theirs to themselves.
+        host = shared_tier_host(str(md.metadata.get("namespace")), str(md.metadata.get("name")))
+        engine = with_shared_tier(settings, host, md.spec.kv_cache.chunk_size)
+        pools[SHARED_POOL] = pools[SHARED_POOL].model_copy(update={"engine": engine})
     for decision in decisions:
         if not decision.admitted or decision.quota is None:
             continue
@@ -469,6 +470,7 @@ def build_tenant_table(
             models=[served],
             quota=decision.quota,
             ttl=_ttls(md, tenant),
+            fair_share_weight=spec.fair_share_weight,
             rate_limits=RateLimits(
                 requests_per_minute=limits.requests_per_minute,
                 tokens_per_minute=limits.tokens_per_minute,

@@ -10,12 +10,15 @@ Event handlers store nothing on the objects (no progress annotations): the recon
 and needs no memory. The one finalizer is on ModelDeployments, so that deleting one that tenants still
 reference is held back with a condition on those tenants (``ModelDeploymentDeleting``).
 
-All kopf settings live in ``configure`` below.
+All kopf settings live in ``configure`` below. kopf runs only in the replica that holds the Lease
+(``handlers/running.py``), which also serves the probes; ``login`` gives kopf's requests that replica's
+User-Agent, so the API server's audit log tells replicas apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -28,7 +31,8 @@ from kvfleet_operator import metrics
 from kvfleet_operator.api.common import GROUP, VERSION
 from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
 from kvfleet_operator.build.model_deployment import OperatorImages
-from kvfleet_operator.build.network import parse_metrics_scrapers
+from kvfleet_operator.build.network import parse_metrics_scrapers, parse_operator_peer
+from kvfleet_operator.handlers.faults import crash_point
 from kvfleet_operator.handlers.reconcile import (
     OperatorConfig,
     load_salt_master,
@@ -37,6 +41,8 @@ from kvfleet_operator.handlers.reconcile import (
 )
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, Credentials, KubeClient
+from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
+from kvfleet_operator.k8s.leader import default_identity, user_agent
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -51,9 +57,16 @@ SALT_SECRET = os.environ.get("KVFLEET_SALT_SECRET", "kvfleet-system/kvfleet-salt
 OWNED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 #: Memo key of the namespaces the operator watches (``kvfleet operator --namespace``; empty: all).
 MEMO_WATCH_NAMESPACES = "kvfleet_watch_namespaces"
+#: Memo key of this replica's identity (its pod's name): its User-Agent carries it, for the audit log.
+MEMO_IDENTITY = "kvfleet_identity"
 #: JSON ``{"namespaceSelector": ..., "podSelector": ...}``: who may scrape metrics ports (chart value
 #: ``metricsScrapers``); unset: ``build.network.MetricsScrapers()``.
 METRICS_SCRAPERS_ENV = "KVFLEET_METRICS_SCRAPERS"
+#: The operator's own pods as a NetworkPolicy peer (the chart sets it from its release).
+OPERATOR_PEER_ENV = "KVFLEET_OPERATOR_PEER"
+#: Comma-separated exposure kinds the chart lets the operator manage (``Ingress``, ``HTTPRoute``; chart
+#: values ``rbac.ingress``, ``rbac.httpRoute``); unset: none.
+EXPOSURE_KINDS_ENV = "KVFLEET_EXPOSURE_KINDS"
 
 
 class Coalescer:
@@ -121,7 +134,11 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         group, _sep, version = kind.api_version.rpartition("/")
         selector = Selector(group=group, version=version, plural=kind.plural)
         settings.watching.label_selectors[selector] = OWNED_SELECTOR
-    client = KubeClient(Credentials.discover(), observer=lambda verb: metrics.api_calls.labels(verb).inc())
+    client = KubeClient(
+        Credentials.discover(),
+        observer=lambda verb: metrics.api_calls.labels(verb).inc(),
+        user_agent=user_agent(_identity(memo)),
+    )
     await client.__aenter__()
     try:
         monitoring = await client.api_group_exists("monitoring.coreos.com/v1")
@@ -140,8 +157,47 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         watch_namespaces=tuple(memo.get(MEMO_WATCH_NAMESPACES) or ()),
         # A malformed value stops the start-up with pydantic's message: never a policy nobody asked for.
         metrics_scrapers=parse_metrics_scrapers(os.environ.get(METRICS_SCRAPERS_ENV)),
+        # Quotas are admitted against the KV blocks the engines report once they do (their metrics port).
+        engine_capacity=EngineCapacityReader(),
+        operator_peer=parse_operator_peer(os.environ.get(OPERATOR_PEER_ENV)),
+        exposure=kinds.parse_exposure_kinds(os.environ.get(EXPOSURE_KINDS_ENV)),
     )
     memo["kvfleet"] = OperatorState(client, config)
+
+
+def _identity(memo: Any) -> str:
+    return str(memo.get(MEMO_IDENTITY) or default_identity())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ConnectionInfo(kopf.ConnectionInfo):
+    """kopf's credentials plus a ``User-Agent`` naming this replica (kopf's own is the same for all)."""
+
+    user_agent: str
+
+    def as_http_headers(self) -> dict[str, str]:
+        return {**super().as_http_headers(), "User-Agent": self.user_agent}
+
+
+@kopf.on.login()
+def login(*, memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf's own login (the Kubernetes client's configuration, else the service account, else the
+    kubeconfig), with this replica's ``User-Agent`` on kopf's requests."""
+    info = (
+        kopf.login_via_client(**kwargs)
+        or kopf.login_with_service_account(**kwargs)
+        or kopf.login_with_kubeconfig(**kwargs)
+    )
+    if info is None:
+        return None
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    return _ConnectionInfo(**fields, user_agent=user_agent(_identity(memo), via="kopf/" + kopf_version()))
+
+
+def kopf_version() -> str:
+    from kopf._cogs.helpers import versions  # noqa: PLC0415 - kopf's version is not re-exported
+
+    return str(versions.version or "unknown")
 
 
 @kopf.on.cleanup()
@@ -191,7 +247,7 @@ def _register_child_watch(kind: kinds.Kind) -> None:
 
 
 for _kind in kinds.CHILD_KINDS:
-    if _kind not in (kinds.SERVICE_MONITOR, kinds.POD_MONITOR):  # optional APIs: covered by the timer
+    if _kind not in (*kinds.MONITORING_KINDS, *kinds.EXPOSURE_KINDS):  # optional: covered by the timer
         _register_child_watch(_kind)
 
 
@@ -207,8 +263,4 @@ async def on_model_deployment_delete(*, namespace: str | None, name: str, memo: 
             "delete them or point them elsewhere",
             delay=15,
         )
-
-
-@kopf.on.probe(id="ready")
-async def probe_ready(*, memo: Any, **_: Any) -> bool:
-    return "kvfleet" in memo
+    crash_point("before-finalizer-removal")

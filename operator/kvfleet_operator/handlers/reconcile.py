@@ -23,11 +23,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from kvfleet_operator import metrics
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
-from kvfleet_operator.build.common import LABEL_TENANT, SHARED_POOL, owned_selector
+from kvfleet_operator.api.units import parse_duration
+from kvfleet_operator.build.common import LABEL_TENANT, SHARED_POOL, owned_selector, selector_labels
 from kvfleet_operator.build.gpu_groups import gpu_group_claims, gpu_group_owners, refused_claimants
 from kvfleet_operator.build.keys import (
     KeyResolution,
@@ -41,13 +43,29 @@ from kvfleet_operator.build.keys import (
     resolve_api_key_hashes,
 )
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children, compute_endpoint
-from kvfleet_operator.build.network import MetricsScrapers
+from kvfleet_operator.build.network import MetricsScrapers, OperatorPeer
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admit_tenants
+from kvfleet_operator.handlers.faults import crash_point
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, KubeClient
+from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
 from kvfleet_operator.reconcile import status as st
 from kvfleet_operator.reconcile import steps
+from kvfleet_operator.reconcile.capacity import (
+    EngineCapacity,
+    decide_engine_capacity,
+    effective_capacity,
+    engine_metrics_targets,
+    explain_capacity_below_plan,
+)
 from kvfleet_operator.reconcile.conditions import ConditionUpdate, now_rfc3339
+from kvfleet_operator.reconcile.node_loss import (
+    ENGINE_POD_REPLACED,
+    ENGINE_POD_STUCK_ON_LOST_NODE,
+    Verdict,
+    decide_lost_engine_pods,
+    node_loss_event,
+)
 from kvfleet_operator.reconcile.plan import Action, compute_plan
 
 log = logging.getLogger(__name__)
@@ -67,6 +85,15 @@ class OperatorConfig:
     watch_namespaces: tuple[str, ...] = ()
     #: Who the NetworkPolicies admit to the metrics ports (chart value ``metricsScrapers``).
     metrics_scrapers: MetricsScrapers = field(default_factory=MetricsScrapers)
+    #: The exposure kinds (Ingress, HTTPRoute) the chart lets the operator manage (``rbac.ingress``,
+    #: ``rbac.httpRoute``; ``KVFLEET_EXPOSURE_KINDS``): only these are listed, created and pruned.
+    exposure: tuple[kinds.Kind, ...] = ()
+    #: Reads the KV blocks each ready engine pod allocated (``k8s/engine_metrics.py``); ``None``: quotas
+    #: are admitted against the planner's estimate only (an operator that cannot reach the pod network).
+    engine_capacity: EngineCapacityReader | None = None
+    #: The operator's own pods, which the engine NetworkPolicies admit to the metrics port
+    #: (``KVFLEET_OPERATOR_PEER``); ``None`` when it runs outside the cluster.
+    operator_peer: OperatorPeer | None = None
 
 
 @dataclass
@@ -103,11 +130,23 @@ class Cycle:
     #: Why a tenant is left out before admission (invalid spec, missing API key Secret).
     tenant_problems: dict[str, ConditionUpdate] = field(default_factory=dict)
     keys: dict[str, KeyResolution] = field(default_factory=dict)
+    #: The figure quotas are admitted against: the engines' own once one reported (``read_engine_capacity``).
     capacity: PoolCapacity | None = None
+    #: The planner's estimate (``size_pool``), kept for the status and the ``CapacityBelowPlan`` message.
+    planned: PoolCapacity | None = None
+    engine: EngineCapacity | None = None
     decisions: list[TenantDecision] = field(default_factory=list)
+    #: The ModelDeployment's engine pods, once a step listed them (``None``: not listed).
+    engine_pods: list[Obj] | None = None
     #: The children this ModelDeployment owns, as listed (live status included).
     children: list[Obj] = field(default_factory=list)
+    #: The cluster's nodes, read only while engines wait (``None``: not read, or no right to list them).
+    nodes: list[Obj] | None = None
     desired: list[Obj] | None = None
+    #: Exposure kinds the operator may manage but the cluster does not serve (their list answered 404).
+    unserved: set[kinds.Kind] = field(default_factory=set)
+    #: Exposure kind name -> why the object the spec asks for is not created (``ExposureUnavailable``).
+    withheld: dict[str, str] = field(default_factory=dict)
     plan: list[Action] = field(default_factory=list)
     status_writes: list[st.StatusWrite] = field(default_factory=list)
 
@@ -181,7 +220,29 @@ async def size_pool(client: KubeClient, c: Cycle) -> None:
     if isinstance(sized, ConditionUpdate):
         c.result.problem = sized
     else:
-        c.capacity = sized
+        c.capacity = c.planned = sized
+
+
+async def read_engine_capacity(client: KubeClient, c: Cycle) -> None:
+    """The KV blocks vLLM really allocated, from the ready engine pods' metrics ports (one LIST of the
+    engine pods; each pod's figure is read once in its life, see ``reconcile/capacity.py``). Admission then
+    counts on the fewest any replica holds; before any engine reports, on the planner's estimate."""
+    if c.md is None or c.planned is None:
+        return
+    reported: list[int] = []
+    if c.config.engine_capacity is not None:
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(c.name, "engine").items())
+        try:
+            pods = await client.list(kinds.POD, c.namespace, label_selector=selector)
+        except ApiError as exc:
+            if exc.status != 403:  # forbidden (RBAC granted by hand without pods): the estimate stands
+                raise
+            pods = []
+        c.engine_pods = pods
+        reported = list((await c.config.engine_capacity.read(engine_metrics_targets(pods))).values())
+    previous = c.md.status.kv_capacity if c.md.status is not None else None
+    c.engine = decide_engine_capacity(c.planned.hbm_blocks, reported, previous)
+    c.capacity = effective_capacity(c.planned, c.engine)
 
 
 async def admit(client: KubeClient, c: Cycle) -> None:
@@ -193,7 +254,9 @@ async def admit(client: KubeClient, c: Cycle) -> None:
 async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
     """A generated key Secret for each admitted tenant that has none; created once, never overwritten."""
     by_name = {str(t.metadata["name"]): t for t in c.tenants}
-    for name in steps.keys_to_generate(c.keys, c.decisions):
+    for i, name in enumerate(steps.keys_to_generate(c.keys, c.decisions)):
+        if i:
+            crash_point("between-key-secrets")
         tenant = by_name[name]
         body = build_api_key_secret(tenant, c.keys[name].secret_name, new_api_key())
         try:
@@ -211,9 +274,16 @@ async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
 
 
 async def read_children(client: KubeClient, c: Cycle) -> None:
+    """Every owned child. An exposure kind whose API the cluster does not serve (an HTTPRoute without the
+    Gateway API CRDs: 404) has no children and is recorded, so the reconcile says so instead of failing."""
     selector = owned_selector(c.name)
-    for kind in steps.child_kinds(c.config.monitoring):
-        c.children += await client.list(kind, c.namespace, label_selector=selector)
+    for kind in steps.child_kinds(c.config.monitoring, c.config.exposure):
+        try:
+            c.children += await client.list(kind, c.namespace, label_selector=selector)
+        except ApiError as exc:
+            if not (exc.not_found and kind in kinds.EXPOSURE_KINDS):
+                raise
+            c.unserved.add(kind)
 
 
 async def build_desired(client: KubeClient, c: Cycle) -> None:
@@ -222,7 +292,7 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
         return
     admitted = {d.name for d in c.decisions if d.admitted}
     keys = build_key_file(derive_salt_key_hex(c.config.salt_master, c.md), steps.key_hashes(c.keys), admitted)
-    c.desired = build_desired_children(
+    desired = build_desired_children(
         c.md,
         c.capacity,
         c.tenants,
@@ -231,7 +301,24 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
         c.config.images,
         c.config.monitoring,
         c.config.metrics_scrapers,
+        c.config.operator_peer,
     )
+    # An Ingress or HTTPRoute the operator may not manage or the cluster does not serve is left out (and
+    # said so on the status), never a failed apply that would stop the rest of the reconcile.
+    c.desired, c.withheld = steps.withhold_exposure(desired, c.config.exposure, c.unserved)
+
+
+async def read_nodes(client: KubeClient, c: Cycle) -> None:
+    """The nodes, while some engine pool waits for replicas: to say why when none can run its pods
+    (``NoMatchingNodes``, ``reconcile/placement.py``). Needs the chart's node-reading ClusterRole
+    (``rbac.readNodes``); without it the check is skipped."""
+    if not steps.engines_waiting(c.desired, c.children):
+        return
+    try:
+        c.nodes = await client.list(kinds.NODE)
+    except ApiError as exc:
+        if exc.status != 403:  # forbidden: rbac.readNodes is off; the pods' own events still tell
+            raise
 
 
 async def plan(client: KubeClient, c: Cycle) -> None:
@@ -255,6 +342,62 @@ async def prune(client: KubeClient, c: Cycle) -> None:
             c.result.deleted.append(action.describe())
 
 
+#: Uids of held lost pods (``Verdict.HOLD``) this operator process already told about: one Event each, not
+#: one per resync. A restarted operator tells once more.
+_held_reported: set[str] = set()
+
+
+async def replace_lost_engine_pods(client: KubeClient, c: Cycle) -> None:
+    """Force-delete engine pods evicted from a lost node once ``spec.pool.nodeLoss`` allows it
+    (``reconcile/node_loss.py``), so their StatefulSet starts the replacements; an Event and a log line
+    each. Only while some engine StatefulSet lacks ready replicas (a lost pod is not ready): a healthy pool
+    costs no pod list. Nothing else changes while a lost pod waits, so the resync timer re-checks."""
+    if c.md is None or not steps.engines_waiting(c.desired, c.children):
+        return
+    if c.engine_pods is None:
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(c.name, "engine").items())
+        try:
+            c.engine_pods = await client.list(kinds.POD, c.namespace, label_selector=selector)
+        except ApiError as exc:
+            if exc.status != 403:  # forbidden (RBAC granted by hand without pods): nothing to decide on
+                raise
+            return
+    node_loss = c.md.spec.pool.node_loss
+    nvme = c.md.spec.kv_cache.nvme
+    node_ready = None if c.nodes is None else {str(n["metadata"]["name"]): _node_ready(n) for n in c.nodes}
+    lost = decide_lost_engine_pods(
+        c.engine_pods,
+        datetime.now(UTC),
+        node_loss.replace,
+        parse_duration(node_loss.after),
+        volume_bound=nvme is not None and nvme.storage_class_name is not None,
+        node_ready=node_ready,
+    )
+    for pod in lost:
+        if pod.verdict is Verdict.WAIT:
+            log.info("%s/%s: %s", c.namespace, c.name, pod.message)
+            continue
+        if pod.verdict is Verdict.HOLD:
+            if pod.uid not in _held_reported:
+                _held_reported.add(pod.uid)
+                log.warning("%s/%s: %s", c.namespace, c.name, pod.message)
+                await client.create_event(
+                    c.namespace, node_loss_event(c.raw_md or {}, ENGINE_POD_STUCK_ON_LOST_NODE, pod, c.now)
+                )
+            continue
+        if await client.force_delete(kinds.POD, pod.name, c.namespace, pod.uid):
+            log.warning("%s/%s: %s", c.namespace, c.name, pod.message)
+            c.result.deleted.append(f"Pod/{pod.name} (lost node {pod.node})")
+            await client.create_event(
+                c.namespace, node_loss_event(c.raw_md or {}, ENGINE_POD_REPLACED, pod, c.now)
+            )
+
+
+def _node_ready(node: Obj) -> str:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return next((str(x.get("status")) for x in conditions if x.get("type") == "Ready"), "Unknown")
+
+
 async def record_gauges(client: KubeClient, c: Cycle) -> None:
     if c.capacity is not None:
         _record_gauges(c.namespace, c.name, c.capacity, c.tenants, c.decisions)
@@ -273,13 +416,17 @@ async def compute_status(client: KubeClient, c: Cycle) -> None:
         c.capacity,
         c.decisions,
         c.result.problem,
-        compute_endpoint(c.md, c.config.images),
+        compute_endpoint(c.md, c.config.images, c.children, c.withheld),
         c.children,
         c.raw_tenants,
         c.tenants,
         c.tenant_problems,
         c.now,
         c.keys,
+        steps.compute_placement(c.desired, c.nodes, c.decisions),
+        " ".join(c.withheld.values()) or None,
+        c.engine,
+        _capacity_note(c),
     )
 
 
@@ -301,13 +448,16 @@ STEPS: Final[tuple[Step, ...]] = (
     claim_gpu_groups,
     resolve_keys,
     size_pool,
+    read_engine_capacity,
     admit,
     generate_api_keys,
     read_children,
     build_desired,
+    read_nodes,
     plan,
     apply,
     prune,
+    replace_lost_engine_pods,
     record_gauges,
 )
 #: Always run after the work, however it ended.
@@ -339,6 +489,8 @@ async def _reconcile(
         await step(client, cycle)
         if cycle.finished:
             break
+    if cycle.result.applied or cycle.result.deleted:
+        crash_point("after-children-before-status")
     for step in STATUS_STEPS:
         await step(client, cycle)
     return cycle.result
@@ -374,6 +526,15 @@ async def load_salt_master(client: KubeClient, ref: str) -> bytes:
 
 async def tenants_referencing(client: KubeClient, namespace: str, name: str) -> list[str]:
     return sorted(steps.select_tenants(await client.list(kinds.TENANT, namespace), name))
+
+
+def _capacity_note(c: Cycle) -> str | None:
+    if c.md is None or c.planned is None or c.engine is None:
+        return None
+    shared = [d for d in c.decisions if d.admitted and d.quota is not None and d.pool == SHARED_POOL]
+    rejected = sum(1 for d in c.decisions if d.reason == reasons.QUOTA_EXCEEDS_CAPACITY)
+    guaranteed = sum(d.quota.hbm_blocks for d in shared if d.quota is not None)
+    return explain_capacity_below_plan(c.md, c.planned, c.engine, guaranteed, rejected)
 
 
 def _record_gauges(

@@ -141,12 +141,16 @@ class KubeClient:
     calls: Counter[str] = field(default_factory=Counter)
     #: Called with the verb of every call (the operator feeds its api_calls metric from here).
     observer: Callable[[str], None] | None = None
+    #: ``User-Agent`` of every request; the API server's audit log tells operator replicas apart by it.
+    user_agent: str | None = None
     _session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
         headers = {"Accept": "application/json"}
         if self.credentials.token:
             headers["Authorization"] = f"Bearer {self.credentials.token}"
+        if self.user_agent:
+            headers["User-Agent"] = self.user_agent
         connector = aiohttp.TCPConnector(ssl=self.credentials.ssl_context(), limit=32)
         self._session = aiohttp.ClientSession(
             self.credentials.server, headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(30)
@@ -237,6 +241,16 @@ class KubeClient:
             content_type="application/apply-patch+yaml",
         )
 
+    async def create(self, kind: Kind, obj: Obj) -> Obj:
+        """Create ``obj`` (POST); ``ApiError.conflict`` when it exists already."""
+        return await self._request("create", "POST", kind.path(obj["metadata"].get("namespace")), body=obj)
+
+    async def replace(self, kind: Kind, obj: Obj) -> Obj:
+        """Replace ``obj`` (PUT): with ``metadata.resourceVersion`` set, ``ApiError.conflict`` when the
+        object changed since it was read (optimistic concurrency)."""
+        meta = obj["metadata"]
+        return await self._request("update", "PUT", kind.path(meta.get("namespace"), meta["name"]), body=obj)
+
     async def merge_patch(self, kind: Kind, name: str, namespace: str | None, patch: Obj) -> Obj:
         return await self._request(
             "patch",
@@ -257,6 +271,28 @@ class KubeClient:
             )
         except ApiError as exc:
             if exc.not_found:
+                return False
+            raise
+        return True
+
+    async def force_delete(self, kind: Kind, name: str, namespace: str | None, uid: str) -> bool:
+        """Delete at once (grace period 0) the object of that name only while its uid is ``uid``;
+        ``False`` if it is gone or another object of the name replaced it (the precondition failed)."""
+        try:
+            await self._request(
+                "delete",
+                "DELETE",
+                kind.path(namespace, name),
+                body={
+                    "kind": "DeleteOptions",
+                    "apiVersion": "v1",
+                    "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": uid},
+                    "propagationPolicy": "Background",
+                },
+            )
+        except ApiError as exc:
+            if exc.not_found or exc.conflict:
                 return False
             raise
         return True

@@ -40,8 +40,12 @@ DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 STATEFUL_SET = Kind("apps/v1", "StatefulSet", "statefulsets")
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
+INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses")
+HTTP_ROUTE = Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
+#: The operator's leader-election Lease (``k8s/leader.py``), in its own namespace: never a child.
+LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 
 #: Every child kind the operator owns, in the order they are applied (config before workloads, so a
 #: pod never starts against a missing ConfigMap) and deleted in reverse.
@@ -53,9 +57,18 @@ CHILD_KINDS: tuple[Kind, ...] = (
     PDB,
     DEPLOYMENT,
     STATEFUL_SET,
+    INGRESS,
+    HTTP_ROUTE,
     SERVICE_MONITOR,
     POD_MONITOR,
 )
+#: Children of optional APIs: listed only where the cluster serves them (checked at start-up), never
+#: watched (the periodic reconcile covers them).
+MONITORING_KINDS: tuple[Kind, ...] = (SERVICE_MONITOR, POD_MONITOR)
+#: Children that expose the gateway outside the cluster (``spec.gateway.exposure``): managed only where the
+#: chart grants their rights (``rbac.ingress``, ``rbac.httpRoute``; ``KVFLEET_EXPOSURE_KINDS``), never
+#: watched (the periodic reconcile covers them; the gateway Service they route to is watched).
+EXPOSURE_KINDS: tuple[Kind, ...] = (INGRESS, HTTP_ROUTE)
 
 BY_API_KIND: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 
@@ -65,3 +78,19 @@ def kind_of(obj: dict[str, object]) -> Kind:
     if key not in BY_API_KIND:
         raise KeyError(f"kvfleet does not manage {key[1]} ({key[0]})")
     return BY_API_KIND[key]
+
+
+def parse_exposure_kinds(text: str | None) -> tuple[Kind, ...]:
+    """The exposure kinds named in ``KVFLEET_EXPOSURE_KINDS`` (comma-separated ``Ingress``, ``HTTPRoute``;
+    empty or ``None``: none). Raises ``ValueError`` naming an unknown kind: never a right nobody asked for
+    nor a silently ignored one."""
+    by_name = {k.kind: k for k in EXPOSURE_KINDS}
+    out: list[Kind] = []
+    for name in (n.strip() for n in (text or "").split(",")):
+        if not name:
+            continue
+        if name not in by_name:
+            raise ValueError(f"unknown exposure kind {name!r}: expected some of {', '.join(by_name)}")
+        if by_name[name] not in out:
+            out.append(by_name[name])
+    return tuple(out)

@@ -31,6 +31,7 @@ from kvfleet_operator.build.common import SHARED_POOL, engine_name, gateway_name
 from kvfleet_operator.build.keys import KeyResolution, api_key_secret_ref
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admitted_terms, requested_terms
 from kvfleet_operator.k8s import kinds
+from kvfleet_operator.reconcile.capacity import EngineCapacity
 from kvfleet_operator.reconcile.conditions import (
     DEGRADED,
     ConditionUpdate,
@@ -124,6 +125,14 @@ def _format_tokens(tokens: int) -> str:
     return f"{tokens} tok"
 
 
+def unplaceable(message: str) -> list[ConditionUpdate]:
+    """No node can run a pool's engine pods: not ready, still progressing (the pods start when a node
+    fits), and degraded with the reason (``NoMatchingNodes``), which a human must act on."""
+    return [u for u in progressing(reasons.NO_MATCHING_NODES, message) if u.type != DEGRADED] + [
+        ConditionUpdate(DEGRADED, "True", reasons.NO_MATCHING_NODES, message)
+    ]
+
+
 def compute_model_deployment_status(
     md: ModelDeployment,
     capacity: PoolCapacity | None,
@@ -133,8 +142,18 @@ def compute_model_deployment_status(
     endpoint: str,
     problem: ConditionUpdate | None,
     now: str,
+    placement: str | None = None,
+    exposure: str | None = None,
+    engine: EngineCapacity | None = None,
+    capacity_note: str | None = None,
 ) -> Obj:
-    """The whole status of ``md`` as it goes on the wire (camelCase)."""
+    """The whole status of ``md`` as it goes on the wire (camelCase). ``placement``: why no node can run
+    the shared pool's engine pods (``placement.compute_placement_problems``), reported while they are not
+    all ready. ``exposure``: why the Ingress or HTTPRoute it asks for is not created
+    (``steps.withhold_exposure``): ``Degraded`` says so unless something worse degrades it; ``Ready`` is
+    the workloads' (the gateway still serves in the cluster). ``engine``: planned vs reported KV blocks
+    (``reconcile/capacity.py``; ``capacity`` is already the figure admission used); ``capacity_note``: why
+    the engines hold fewer blocks than planned (``CapacityBelowPlan``, ``Degraded`` like ``exposure``)."""
     generation = int(md.metadata.get("generation", 0))
     current = md.status.model_dump(by_alias=True, mode="json")["conditions"] if md.status else []
     name = str(md.metadata["name"])
@@ -142,12 +161,22 @@ def compute_model_deployment_status(
         updates = failed(problem.reason, problem.message)
     elif engines.is_ready and gateway.is_ready:
         updates = ready(reasons.READY, f"{engines.ready} engine replica(s) and the gateway serve {endpoint}.")
+    elif placement is not None and not engines.is_ready:
+        updates = unplaceable(placement)
     else:
         updates = progressing(
             reasons.WAITING_FOR_REPLICAS,
             f"{engines.ready}/{engines.wanted} engine replicas and {gateway.ready}/{gateway.wanted} gateway "
             "replicas are ready.",
         )
+    if exposure is not None and problem is None:
+        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
+        if not any(u.type == DEGRADED for u in updates):
+            updates.append(ConditionUpdate(DEGRADED, "True", reasons.EXPOSURE_UNAVAILABLE, exposure))
+    if capacity_note is not None and problem is None:
+        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
+        if not any(u.type == DEGRADED for u in updates):
+            updates.append(ConditionUpdate(DEGRADED, "True", reasons.CAPACITY_BELOW_PLAN, capacity_note))
     status = ModelDeploymentStatus(
         conditions=merge_conditions(current, updates, generation, now),
         observed_generation=generation,
@@ -171,7 +200,11 @@ def compute_model_deployment_status(
             nvme=_tier(_per_token(capacity, capacity.nvme_bytes) * replicas, capacity.nvme_bytes * replicas),
         )
         status.kv_capacity = KvCapacityStatus(
-            per_replica=per_replica, pool=pool, summary=_format_tokens(capacity.hbm_tokens * replicas)
+            planned_blocks=engine.planned_blocks if engine is not None else capacity.hbm_blocks,
+            reported_blocks=engine.reported_blocks if engine is not None else None,
+            per_replica=per_replica,
+            pool=pool,
+            summary=_format_tokens(capacity.hbm_tokens * replicas),
         )
         shared = [d for d in decisions if d.admitted and d.quota is not None and d.pool == SHARED_POOL]
         hbm_blocks = sum(d.quota.hbm_blocks for d in shared if d.quota)
@@ -187,10 +220,17 @@ def compute_model_deployment_status(
 
 
 def _admitted_conditions(
-    decision: TenantDecision, pool_ready: bool, endpoint: str, api_key_secret: str
+    decision: TenantDecision,
+    pool_ready: bool,
+    endpoint: str,
+    api_key_secret: str,
+    placement: str | None = None,
 ) -> list[ConditionUpdate]:
     """An admitted tenant: ``Ready`` when its pool is; a refused quota change degrades it while it keeps
-    serving at its admitted quota (``Ready`` stays ``True``, with the refusal as its reason)."""
+    serving at its admitted quota (``Ready`` stays ``True``, with the refusal as its reason). A dedicated
+    pool no node can run (``placement``) says so (``NoMatchingNodes``) while it is not ready."""
+    if placement is not None and not pool_ready:
+        return unplaceable(f"Admitted; its dedicated pool cannot start. {placement}")
     if decision.refused is None:
         if pool_ready:
             return ready(
@@ -222,8 +262,10 @@ def compute_tenant_status(
     api_key_secret: str,
     now: str,
     keys: KeyResolution | None = None,
+    placement: str | None = None,
 ) -> Obj:
-    """``problem`` (a dependency or spec issue) wins; else admission; else readiness of its pool.
+    """``problem`` (a dependency or spec issue) wins; else admission; else readiness of its pool
+    (``placement``: why no node can run its dedicated pool).
 
     ``admittedQuota`` is what admission decided; without a decision (the ModelDeployment cannot be served
     now) it stays what it was. ``keys`` gives the fingerprints of the keys that serve the tenant.
@@ -241,7 +283,7 @@ def compute_tenant_status(
         reason = decision.reason if decision else reasons.INVALID_SPEC
         updates = failed(reason, decision.message if decision else "Not admitted.")
     else:
-        updates = _admitted_conditions(decision, pool_ready, endpoint, api_key_secret)
+        updates = _admitted_conditions(decision, pool_ready, endpoint, api_key_secret, placement)
     if decision is not None and decision.quota is not None and capacity is not None:
         q = decision.quota
         resolved = ResolvedQuota(
@@ -349,15 +391,24 @@ def compute_served_statuses(
     tenant_problems: Mapping[str, ConditionUpdate],
     now: str,
     keys: Mapping[str, KeyResolution] | None = None,
+    placement: Mapping[str, str] | None = None,
+    exposure: str | None = None,
+    engine: EngineCapacity | None = None,
+    capacity_note: str | None = None,
 ) -> list[StatusWrite]:
     """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
     ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
+    ``placement``: pool -> why no node can run its engine pods (``NoMatchingNodes`` on the
+    ModelDeployment for the shared pool, on the owning Tenant for a dedicated one). ``exposure``: why the
+    Ingress or HTTPRoute is not created (``ExposureUnavailable`` on the ModelDeployment). ``engine`` and
+    ``capacity_note``: see :func:`compute_model_deployment_status`.
 
     A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
     every other tenant its full status, with the fingerprints of its keys (``keys``). While the
     ModelDeployment has a problem, its tenants wait on it.
     """
     keys = keys or {}
+    placement = placement or {}
     name = str(md.metadata["name"])
     engines = readiness_of(
         _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
@@ -368,7 +419,18 @@ def compute_served_statuses(
             kinds.MODEL_DEPLOYMENT,
             raw_md,
             compute_model_deployment_status(
-                md, capacity, decisions, engines, gateway, endpoint, md_problem, now
+                md,
+                capacity,
+                decisions,
+                engines,
+                gateway,
+                endpoint,
+                md_problem,
+                now,
+                placement.get(SHARED_POOL),
+                exposure,
+                engine,
+                capacity_note,
             ),
         )
     ]
@@ -395,6 +457,7 @@ def compute_served_statuses(
             api_key_secret_ref(tenant)[0],
             now,
             keys.get(tname),
+            placement.get(decision.pool) if decision is not None and decision.pool != SHARED_POOL else None,
         )
         writes.append(StatusWrite(kinds.TENANT, raw, status))
     return writes

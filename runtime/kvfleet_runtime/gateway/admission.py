@@ -28,6 +28,15 @@ Contract (one ``TenantGate`` per tenant, per gateway process):
 * ``max_concurrent`` requests and a KV budget (sum of the admitted requests' footprints, at most the
   tenant's burst cap in tokens) bound what is in flight. A request that does not fit waits in a FIFO
   queue of bounded length for a bounded time; a full queue or a timed-out wait is a 429.
+* **The engines are not over-filled** (``EngineQueue``): a pool admits at most ``limit`` requests to its
+  engines at once (per replica, times the pool's replicas). A tenant's admitted request beyond that is
+  held at the gateway and released in fair order (``kv.fairness``: strict priority between SLA tiers,
+  the Virtual Token Counter within a tier, weighted by the tenant's ``fair_share_weight``; or first come,
+  first served within a tier when fair queuing is off), instead of waiting in vLLM's queue where
+  arrival order alone decides. A held request counts against its tenant's concurrency while it waits;
+  it waits at most ``max_queue_wait_s`` and its tenant holds at most ``max_queue`` of them; either
+  limit is a 429 with ``Retry-After`` (reason ``engine_queue``), and a client that goes away while
+  held leaves nothing behind.
 * Request bodies held in memory are bounded per tenant and per process (``BodyBudget``).
 * Nothing is dropped silently: every refusal raises ``Throttled``, ``RequestTooLarge`` or
   ``BodyBudgetExceeded``.
@@ -42,6 +51,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from kvfleet_runtime.kv.fairness import FairQueue, Ticket, TokenCost
 
 Clock = Callable[[], float]
 
@@ -280,7 +291,7 @@ class GateSlot:
 
     ``release`` exactly once (idempotent) when the request is finished."""
 
-    __slots__ = ("_gate", "_released", "kv_tokens", "queued_s", "token_estimate")
+    __slots__ = ("_gate", "_released", "engine", "kv_tokens", "queued_s", "token_estimate")
 
     def __init__(self, gate: TenantGate, kv_tokens: int, token_estimate: int, queued_s: float) -> None:
         self._gate = gate
@@ -288,6 +299,8 @@ class GateSlot:
         self.token_estimate = token_estimate
         self.queued_s = queued_s
         self._released = False
+        #: The request's place among the engines' in-flight requests, when the pool limits them.
+        self.engine: EngineSlot | None = None
 
     def reconcile_tokens(self, actual_tokens: int) -> None:
         """Correct the tokens-per-minute charge with the engine's reported usage."""
@@ -295,9 +308,18 @@ class GateSlot:
             self._gate.tpm.adjust(actual_tokens - self.token_estimate)
         self.token_estimate = actual_tokens
 
+    def settle_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The engine's ``usage`` of the finished answer: reconciles tokens per minute and charges the
+        tenant's fair-queuing counter (input corrected, output added)."""
+        self.reconcile_tokens(prompt_tokens + completion_tokens)
+        if self.engine is not None:
+            self.engine.settle(prompt_tokens, completion_tokens)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self.engine is not None:
+                self.engine.release()
             self._gate.release_slot(self.kv_tokens)
 
 
@@ -388,8 +410,26 @@ class TenantGate:
         if self.tpm is not None:
             self.tpm.adjust(-token_estimate)
 
-    async def acquire(self, token_estimate: int, kv_tokens: int) -> GateSlot:
-        """Admit a request or raise ``Throttled``; may wait in the tenant's queue (bounded)."""
+    async def acquire(
+        self, token_estimate: int, kv_tokens: int, engine: EngineRequest | None = None
+    ) -> GateSlot:
+        """Admit a request or raise ``Throttled``; may wait in the tenant's queue (bounded), then, with
+        ``engine``, for room on the pool's engines (``EngineQueue``, bounded by the same wait)."""
+        slot = await self._acquire_tenant(token_estimate, kv_tokens)
+        if engine is None:
+            return slot
+        # One wait bound for both queues: what the tenant's own queue took is not given again.
+        wait_s = max(0.0, self.limits.max_queue_wait_s - slot.queued_s)
+        try:
+            slot.engine = await engine.queue.acquire(engine, wait_s, self.limits.max_queue)
+        except BaseException:
+            self._refund(token_estimate)
+            slot.release()
+            raise
+        slot.queued_s += slot.engine.queued_s
+        return slot
+
+    async def _acquire_tenant(self, token_estimate: int, kv_tokens: int) -> GateSlot:
         if self.rpm is not None:
             wait = self.rpm.try_take(1)
             if wait > 0:
@@ -467,6 +507,135 @@ class TenantGate:
             self._waiters.popleft()
             self._grant(head.kv_tokens)
             head.future.set_result(None)
+
+
+# -- the engines' in-flight limit, in fair order ------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineRequest:
+    """What ``EngineQueue`` needs to know of one request."""
+
+    queue: EngineQueue
+    tenant: str
+    #: Higher is served first (``config.SLA_RANK`` of the tenant's tier).
+    rank: int
+    weight: float
+    prompt_tokens: int
+
+
+class EngineSlot:
+    """A request's place among a pool's in-flight requests; ``release`` is idempotent."""
+
+    __slots__ = ("_queue", "_ticket", "queued_s")
+
+    def __init__(self, queue: EngineQueue, ticket: Ticket[asyncio.Future[None]], queued_s: float) -> None:
+        self._queue = queue
+        self._ticket = ticket
+        self.queued_s = queued_s
+
+    def settle(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self._queue.fair.settle(self._ticket, prompt_tokens, completion_tokens)
+
+    def release(self) -> None:
+        self._queue.finish(self._ticket)
+
+
+class EngineQueue:
+    """At most ``limit`` requests of one pool on its engines; the rest held in fair order (module
+    docstring). ``limit=None``: no limit, nothing is held (requests still charge the counters, so turning
+    the limit on later starts from what was served)."""
+
+    def __init__(
+        self,
+        limit: int | None,
+        fair: bool = True,
+        cost: TokenCost | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.fair: FairQueue[asyncio.Future[None]] = FairQueue(limit, cost, fair=fair)
+        self._clock = clock
+        self._held: dict[str, int] = {}
+
+    @property
+    def limit(self) -> int | None:
+        return self.fair.limit
+
+    @property
+    def in_flight(self) -> int:
+        return self.fair.in_flight
+
+    def held(self, tenant: str | None = None) -> int:
+        """Requests waiting for room (of one tenant, or all)."""
+        return sum(self._held.values()) if tenant is None else self._held.get(tenant, 0)
+
+    def set_limit(self, limit: int | None) -> None:
+        """A reload (replicas or the per-replica limit changed); releases what now fits."""
+        self.fair.set_limit(limit)
+        self._dispatch()
+
+    async def acquire(self, request: EngineRequest, max_wait_s: float, max_held: int) -> EngineSlot:
+        """Room on the engines, at once or after waiting at most ``max_wait_s`` behind at most ``max_held``
+        other held requests of the same tenant; else ``Throttled`` with reason ``engine_queue``."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        now = self.fair.dispatch_now(
+            request.tenant, request.rank, request.weight, request.prompt_tokens, future
+        )
+        if now is not None:  # nothing waits and there is room: the common case costs no queueing
+            future.set_result(None)
+            return EngineSlot(self, now, 0.0)
+        ticket = self.fair.push(request.tenant, request.rank, request.weight, request.prompt_tokens, future)
+        self._dispatch()
+        if future.done():
+            return EngineSlot(self, ticket, 0.0)
+        if self._held.get(request.tenant, 0) >= max_held:
+            self.fair.cancel(ticket)
+            raise Throttled(
+                "engine_queue",
+                1.0,
+                f"the engines are saturated and this API key already has {max_held} requests "
+                "waiting for them; retry later",
+            )
+        start = self._clock()
+        self._held[request.tenant] = self._held.get(request.tenant, 0) + 1
+        try:
+            async with asyncio.timeout(max_wait_s):
+                await future
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                # Dispatched in the same loop iteration the timeout fired: keep the slot.
+                return EngineSlot(self, ticket, self._clock() - start)
+            self.fair.cancel(ticket)
+            raise Throttled(
+                "engine_queue",
+                1.0,
+                f"the engines are saturated; waited {max_wait_s:.3g} s for a turn (other "
+                "tenants of this tier are served in proportion to their weights); retry later",
+            ) from None
+        except asyncio.CancelledError:
+            if not self.fair.cancel(ticket):  # dispatched already: hand the slot on
+                self.fair.undo(ticket)
+                self._dispatch()
+            raise
+        finally:
+            left = self._held[request.tenant] - 1
+            if left:
+                self._held[request.tenant] = left
+            else:
+                del self._held[request.tenant]
+        return EngineSlot(self, ticket, self._clock() - start)
+
+    def finish(self, ticket: Ticket[asyncio.Future[None]]) -> None:
+        self.fair.finish(ticket)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if not self.fair.waiting():
+            return
+        for ticket in self.fair.drain():
+            future = ticket.item
+            if future.done():  # its waiter was cancelled and has not run its handler yet
+                self.fair.undo(ticket)
+                continue
+            future.set_result(None)
 
 
 # -- request bodies in memory ---------------------------------------------------------------------------

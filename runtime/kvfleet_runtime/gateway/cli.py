@@ -100,6 +100,21 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--max-queue", type=int, default=64, help="per-tenant admission queue length")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request may wait queued")
+    p.add_argument(
+        "--engine-in-flight-per-replica",
+        type=int,
+        default=256,
+        help="requests each engine replica is given at once; more wait at the gateway in fair order "
+        "(0: no limit, nothing held)",
+    )
+    p.add_argument(
+        "--fair-queuing",
+        choices=("vtc", "fifo"),
+        default="vtc",
+        help="order of held requests within an SLA tier: vtc (token-weighted fair) or fifo",
+    )
+    p.add_argument("--fair-input-weight", type=float, default=1.0, help="fair-queuing cost of an input token")
+    p.add_argument("--fair-output-weight", type=float, default=2.0, help="fair-queuing cost of an output one")
     p.add_argument("--affinity-prefix-chars", type=int, default=512, help="prompt chars in the affinity key")
     p.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor (> 1)")
     p.add_argument(
@@ -110,6 +125,22 @@ def register(subparsers: Any) -> None:
         "(no KV burst cap, tokens per minute or context length)",
     )
     p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a replica")
+    p.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the engine may send nothing (before a buffered answer, or between two reads of a "
+        "stream); then 504, or an error event in a stream already started (600)",
+    )
+    p.add_argument(
+        "--health-timeout", type=float, default=1.0, help="seconds a replica's /health may take (1)"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM: seconds in-flight requests may take to finish before they are cut (60)",
+    )
     p.add_argument("--log-level", default="INFO", help="Python logging level")
     p.set_defaults(func=run)
 
@@ -142,10 +173,17 @@ def run(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         max_queue=args.max_queue,
         max_queue_wait_s=args.queue_timeout,
+        engine_in_flight_per_replica=args.engine_in_flight_per_replica,
+        fair_queuing=args.fair_queuing == "vtc",
+        fair_input_weight=args.fair_input_weight,
+        fair_output_weight=args.fair_output_weight,
         affinity_prefix_chars=args.affinity_prefix_chars,
         load_factor=args.load_factor,
         default_max_tokens=args.default_max_tokens,
         connect_timeout_s=args.connect_timeout,
+        upstream_read_timeout_s=args.upstream_timeout,
+        health_timeout_s=args.health_timeout,
+        drain_timeout_s=args.drain_timeout,
     )
     host, port = args.listen
     metrics_host, metrics_port = args.metrics_listen

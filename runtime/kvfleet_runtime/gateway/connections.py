@@ -13,7 +13,10 @@ connection wrapped in a ``_Guard`` protocol that:
   that is late gets a ``408`` and its connection is closed;
 * learns that a request's headers are complete when the blank line that ends them arrives, and that the
   connection is between requests when the app starts a response (``ConnectionGuards.on_response_prepare``,
-  registered on the app), after which the next byte starts the next request's header clock.
+  registered on the app), after which the next byte starts the next request's header clock;
+* once ``closing`` is set (the gateway is draining on SIGTERM), marks every answer ``Connection: close``
+  and closes its connection after it, so clients retire their keep-alive connections to this process
+  between requests instead of finding them closed under a request they are sending.
 
 The guard only looks for the end of the header block; aiohttp still parses everything, so what the
 guard sees changes nothing but when a connection is closed. Deadlines are checked by one sweep of the
@@ -26,11 +29,16 @@ timeout (the server's ``idle_timeout_s``).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger("kvfleet.gateway")
 
 _HEADERS, _REQUEST, _IDLE = 0, 1, 2
 
@@ -47,6 +55,51 @@ def _plain_response(status: str, message: str) -> bytes:
 
 _BUSY = _plain_response("503 Service Unavailable", "the gateway has too many open connections")
 _HEADER_TIMEOUT = _plain_response("408 Request Timeout", "request headers not received in time")
+
+
+class _OpenAIErrors(RequestHandler):
+    """aiohttp's protocol, with the answers it writes itself in OpenAI's error shape: a request it cannot
+    parse (bad request line, header, ``Content-Length`` or chunk, a header line over 8190 bytes: 400) and a
+    handler that raised (500) or timed out (504); aiohttp writes those as text/plain. A malformed request
+    is the client's mistake and is logged in one line at debug level (aiohttp logs each at ERROR with a
+    traceback: a log amplifier for anyone who can reach the port); a handler's exception keeps its
+    traceback."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: the answer has begun, the connection is broken
+            raise ConnectionError("Response is sent already, cannot send another response with the error")
+        if status >= 500:
+            if status == 500:
+                self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            text = "the gateway timed out handling the request" if status == 504 else "the gateway failed"
+            err_type, code = "server_error", "internal_error"
+        else:
+            # aiohttp's message: a first line saying what is wrong, then the bytes with a caret under them.
+            text = "malformed HTTP request: " + (message or "").strip().split("\n", 1)[0][:200]
+            err_type, code = "invalid_request_error", "malformed_request"
+            log.debug("malformed request from %s: %s", request.remote, text)
+        body = {"error": {"message": text, "type": err_type, "param": None, "code": code}}
+        response = web.Response(
+            status=status, body=json.dumps(body).encode(), content_type="application/json"
+        )
+        response.force_close()
+        return response
+
+
+def _openai_errors(handler: RequestHandler) -> RequestHandler:
+    """The connection's protocol as aiohttp's ``Server`` built it (its settings untouched), answering its
+    own errors in OpenAI's shape. ``_OpenAIErrors`` adds no state (empty ``__slots__``), so changing the
+    instance's class is all it takes and aiohttp's construction is not copied."""
+    handler.__class__ = _OpenAIErrors
+    return handler
 
 
 class ConnectionGuards:
@@ -72,10 +125,16 @@ class ConnectionGuards:
         self.sweep_interval_s = min(1.0, max(0.02, header_timeout_s / 5))
         self._sweeper: asyncio.TimerHandle | None = None
         self.time: Callable[[], float] = lambda: 0.0
+        #: Draining: every answer closes its connection (see the module docstring).
+        self.closing = False
 
     @property
     def open(self) -> int:
         return len(self.by_protocol)
+
+    def reading(self) -> int:
+        """Connections whose request has arrived (headers at least) and has no answer started yet."""
+        return sum(1 for g in self.by_protocol.values() if g.state == _REQUEST)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -93,11 +152,17 @@ class ConnectionGuards:
             guard.header_timeout()
         self._sweeper = asyncio.get_running_loop().call_later(self.sweep_interval_s, self._sweep)
 
-    async def on_response_prepare(self, request: web.BaseRequest, _response: web.StreamResponse) -> None:
-        """An ``app.on_response_prepare`` receiver: the request's connection is between requests now."""
+    async def on_response_prepare(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """An ``app.on_response_prepare`` receiver: the request's connection is between requests now
+        (and, while draining, is closed after this answer)."""
         guard = self.by_protocol.get(request.protocol)
         if guard is not None:
             guard.response_started()
+        if self.closing:
+            # The headers are written after this hook, so the client is told; force_close makes
+            # aiohttp close the connection when the answer ends.
+            response.force_close()
+            response.headers["Connection"] = "close"
 
 
 class _Guard(asyncio.Protocol):
@@ -139,6 +204,10 @@ class _Guard(asyncio.Protocol):
         self._state = _REQUEST
         self._tail = b""
         self.deadline = math.inf
+
+    @property
+    def state(self) -> int:
+        return self._state
 
     def response_started(self) -> None:
         if self._state == _REQUEST:
@@ -224,7 +293,7 @@ class GuardedSite(web.BaseSite):
         guards = self._guards
 
         def wrapped() -> asyncio.Protocol:
-            return _Guard(server(), guards)
+            return _Guard(_openai_errors(server()), guards)
 
         self._server = await asyncio.get_running_loop().create_server(
             wrapped, self._host, self._port, backlog=self._backlog, reuse_address=True

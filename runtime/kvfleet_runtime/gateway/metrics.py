@@ -2,15 +2,22 @@
 
 Every name is a module constant so dashboards, alert rules and tests import it instead of repeating the
 string. Labels are bounded by construction: ``tenant`` and ``model`` only ever take values from the loaded
-tenant table (unauthenticated requests use ``UNAUTHENTICATED``, unknown models ``UNKNOWN_MODEL``),
-``sla_tier``, ``outcome``, ``reason`` and ``kind`` come from fixed enumerations below, and
-``pool``/``replica`` from the table's pools. No prompt, completion, key or client-chosen string ever
-becomes a label value.
+tenant table (unauthenticated requests use ``UNAUTHENTICATED``, unknown models ``UNKNOWN_MODEL``), and at
+most ``MAX_TENANT_LABELS`` tenants get a ``tenant`` value of their own (tenants first seen after that
+share ``OTHER_TENANTS``, see ``GatewayMetrics.tenant_label``); ``model_deployment`` is the table's one
+ModelDeployment; ``sla_tier``, ``outcome``, ``reason`` and ``kind`` come from fixed enumerations below,
+``code`` is a three-digit HTTP status, and ``pool``/``replica`` come from the table's pools. No prompt,
+completion, key or client-chosen string ever becomes a label value.
+
+Metering (what ``kvfleet usage`` bills from, see ``gateway.usage``) reads the series labelled
+``model_deployment`` and ``tenant``: ``RESPONSES_TOTAL`` (requests by HTTP status), the three token
+counters (``usage`` exactly as the engine reported it) and ``THROTTLED_TOTAL``. ``namespace`` is not
+exported by the gateway: Prometheus adds it to every series it scrapes through a ServiceMonitor.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -32,12 +39,23 @@ CONFIG_RELOADS_TOTAL: Final = "kvfleet_gateway_config_reloads_total"
 CONFIG_RELOAD_FAILURES_TOTAL: Final = "kvfleet_gateway_config_reload_failures_total"
 REPLICA_HEALTHY: Final = "kvfleet_gateway_replica_healthy"
 OPEN_CONNECTIONS: Final = "kvfleet_gateway_open_connections"
+ENGINE_QUEUE_DEPTH: Final = "kvfleet_gateway_engine_queue_depth"
+FAIR_VIRTUAL_TOKENS: Final = "kvfleet_gateway_fair_virtual_tokens"
 CONNECTIONS_CLOSED_TOTAL: Final = "kvfleet_gateway_connections_closed_total"
+RESPONSES_TOTAL: Final = "kvfleet_gateway_responses_total"
 
 # Label names and values -------------------------------------------------------------------------------------
 #: The tenant's SLA tier (``premium``, ``standard``, ``basic``). Never plain ``tier``: the engine's and
 #: LMCache's series carry the memory tier a KV entry lives in as ``kv_tier``.
 SLA_TIER_LABEL: Final = "sla_tier"
+#: The ModelDeployment a gateway serves (the tenant table's ``model_deployment``), on the metering series.
+MODEL_DEPLOYMENT_LABEL: Final = "model_deployment"
+#: Distinct tenants one gateway process labels by name. A table holds what the operator admitted, but each
+#: tenant adds a few dozen series (the histograms ~15 buckets each); past this many, tenants first seen
+#: later share the ``OTHER_TENANTS`` label, so a ModelDeployment with thousands of tenants cannot blow up
+#: Prometheus. Their requests and tokens are still counted, under that label.
+MAX_TENANT_LABELS: Final = 500
+OTHER_TENANTS: Final = "_other"
 UNAUTHENTICATED: Final = "_unauthenticated"
 UNKNOWN_MODEL: Final = "_unknown"
 NO_TIER: Final = "_none"
@@ -58,6 +76,7 @@ THROTTLE_REASONS: Final = (
     "concurrency",
     "kv_budget",
     "body_bytes",
+    "engine_queue",  # held for room on saturated engines (fair queuing) too long, or too many held
 )
 #: ``reason`` of ``kvfleet_gateway_rejected_total``.
 REJECT_REASONS: Final = (
@@ -87,12 +106,24 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
+        self._tenant_labels: set[str] = set()
+        self._responses: dict[tuple[str, int], Any] = {}
+        #: The tenant table's ModelDeployment (``set_model_deployment``); one value per gateway.
+        self.model_deployment = ""
         r = self.registry
-        req = ("tenant", "model", SLA_TIER_LABEL)
+        lat = ("tenant", "model", SLA_TIER_LABEL)
+        req = (MODEL_DEPLOYMENT_LABEL, *lat)
         self.requests = Counter(
             REQUESTS_TOTAL.removesuffix("_total"),
             "Requests the gateway finished, by outcome.",
             (*req, "outcome"),
+            registry=r,
+        )
+        self.responses = Counter(
+            RESPONSES_TOTAL.removesuffix("_total"),
+            "Answers on the API paths (/v1/...) by HTTP status, as the client received it (a stream that "
+            "breaks after its headers went out counts as the 200 it started with).",
+            (MODEL_DEPLOYMENT_LABEL, "tenant", "code"),
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -116,21 +147,21 @@ class GatewayMetrics:
         self.ttft = Histogram(
             TTFT_SECONDS,
             "Time from request arrival at the gateway to the first streamed token (streaming requests).",
-            req,
+            lat,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             INTER_TOKEN_LATENCY_SECONDS,
             "Time between consecutive streamed chunks after the first.",
-            req,
+            lat,
             buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.duration = Histogram(
             REQUEST_DURATION_SECONDS,
             "Time from request arrival to the last byte of the answer.",
-            req,
+            lat,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -144,7 +175,7 @@ class GatewayMetrics:
         self.throttled = Counter(
             THROTTLED_TOTAL.removesuffix("_total"),
             "Requests answered 429 by admission control.",
-            ("tenant", SLA_TIER_LABEL, "reason"),
+            (MODEL_DEPLOYMENT_LABEL, "tenant", SLA_TIER_LABEL, "reason"),
             registry=r,
         )
         self.rejected = Counter(
@@ -157,6 +188,19 @@ class GatewayMetrics:
             UPSTREAM_ERRORS_TOTAL.removesuffix("_total"),
             "Failures talking to an engine replica.",
             ("pool", "kind"),
+            registry=r,
+        )
+        self.engine_queue_depth = Gauge(
+            ENGINE_QUEUE_DEPTH,
+            "Requests held at the gateway for room on the pool's saturated engines, by SLA tier.",
+            ("pool", SLA_TIER_LABEL),
+            registry=r,
+        )
+        self.fair_virtual_tokens = Gauge(
+            FAIR_VIRTUAL_TOKENS,
+            "The tenant's fair-queuing virtual counter: weighted tokens served divided by its weight "
+            "(lifted to its tier's smallest when it returns from idle).",
+            ("tenant",),
             registry=r,
         )
         self.in_flight = Gauge(
@@ -199,6 +243,24 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def set_model_deployment(self, name: str) -> None:
+        """The ModelDeployment every metering series is labelled with (from the tenant table)."""
+        if name != self.model_deployment:
+            self.model_deployment = name
+            self._series.clear()
+            self._responses.clear()
+
+    def tenant_label(self, tenant: str) -> str:
+        """The ``tenant`` label value for ``tenant``: its name for the first ``MAX_TENANT_LABELS``
+        tenants this process labels (and for the fixed ``_``-prefixed values), ``OTHER_TENANTS`` after."""
+        labels = self._tenant_labels
+        if tenant in labels or tenant.startswith("_"):
+            return tenant
+        if len(labels) >= MAX_TENANT_LABELS:
+            return OTHER_TENANTS
+        labels.add(tenant)
+        return tenant
+
     def series(self, tenant: str, model: str, tier: str) -> RequestSeries:
         """The per-request children for one (tenant, model, SLA tier), resolved once and cached.
 
@@ -208,12 +270,35 @@ class GatewayMetrics:
         key = (tenant, model, tier)
         found = self._series.get(key)
         if found is None:
-            found = self._series[key] = RequestSeries(self, tenant, model, tier)
+            found = self._series[key] = RequestSeries(self, self.tenant_label(tenant), model, tier)
         return found
+
+    def count_request(self, tenant: str, model: str, tier: str, outcome: str) -> None:
+        """One finished request outside the admitted path (refused before admission)."""
+        self.requests.labels(self.model_deployment, self.tenant_label(tenant), model, tier, outcome).inc()
+
+    def count_rejected(self, tenant: str, reason: str) -> None:
+        self.rejected.labels(self.tenant_label(tenant), reason).inc()
+
+    def count_throttled(self, tenant: str, model: str, tier: str, reason: str) -> None:
+        """A 429 from admission: the throttle reason and the request's ``throttled`` outcome."""
+        self.throttled.labels(self.model_deployment, self.tenant_label(tenant), tier, reason).inc()
+        self.series(tenant, model, tier).outcomes["throttled"].inc()
+
+    def count_response(self, tenant: str, status: int) -> None:
+        """One answer with HTTP ``status`` to ``tenant`` (``UNAUTHENTICATED`` when no key matched)."""
+        key = (tenant, status)
+        child = self._responses.get(key)
+        if child is None:
+            code = str(status) if 100 <= status <= 599 else "other"
+            child = self._responses[key] = self.responses.labels(
+                self.model_deployment, self.tenant_label(tenant), code
+            )
+        child.inc()
 
 
 class RequestSeries:
-    """The children of the request-path metrics for one (tenant, model, SLA tier)."""
+    """The children of the request-path metrics for one (tenant label, model, SLA tier)."""
 
     __slots__ = (
         "cached_prompt_tokens",
@@ -230,10 +315,11 @@ class RequestSeries:
 
     def __init__(self, metrics: GatewayMetrics, tenant: str, model: str, tier: str) -> None:
         labels = (tenant, model, tier)
-        self.outcomes = {o: metrics.requests.labels(*labels, o) for o in OUTCOMES}
-        self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
-        self.completion_tokens = metrics.completion_tokens.labels(*labels)
-        self.cached_prompt_tokens = metrics.cached_prompt_tokens.labels(*labels)
+        metered = (metrics.model_deployment, *labels)
+        self.outcomes = {o: metrics.requests.labels(*metered, o) for o in OUTCOMES}
+        self.prompt_tokens = metrics.prompt_tokens.labels(*metered)
+        self.completion_tokens = metrics.completion_tokens.labels(*metered)
+        self.cached_prompt_tokens = metrics.cached_prompt_tokens.labels(*metered)
         self.ttft = metrics.ttft.labels(*labels)
         self.itl = metrics.itl.labels(*labels)
         self.duration = metrics.duration.labels(*labels)

@@ -10,7 +10,10 @@ Request path (``/v1/chat/completions``, ``/v1/completions``):
   prefix affinity (503 when none is healthy) -> upstream, failing over to the next replica only when the
   connection could not be established (nothing was sent; once a byte may have reached an engine the
   request is never sent again) -> answer streamed or buffered back with ``x-ratelimit-*`` headers,
-  usage reconciled and counted. A stream that breaks ends with an OpenAI-shaped error event.
+  usage reconciled and counted. An engine that drops the connection before answering is a 502, one that
+  sends nothing for ``upstream_read_timeout_s`` a 504; a stream that breaks ends with an OpenAI-shaped
+  error event. Either way the replica takes no new request until a health check passes (active checks
+  every ``health_interval_s``; one at once after a failure). SIGTERM drains (``serve``).
 
 Metrics are served on their own port (``build_metrics_app``), never on the public one.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing
@@ -31,7 +35,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -42,12 +46,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfleet_runtime.config import SLA_ORDER, SLA_RANK
 from kvfleet_runtime.gateway import metrics as m
 from kvfleet_runtime.gateway.admission import (
     BodyBudget,
     BodyBudgetExceeded,
     BodyReservation,
     BudgetLimits,
+    EngineQueue,
+    EngineRequest,
     GateLimits,
     GateSlot,
     RequestTooLarge,
@@ -69,10 +76,17 @@ from kvfleet_runtime.gateway.rewrite import (
 )
 from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
 from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
+from kvfleet_runtime.kv.fairness import TokenCost
 
 log = logging.getLogger("kvfleet.gateway")
+#: Where ``_authenticate`` leaves the tenant's name on the request (read by ``count_response``).
+_TENANT_KEY: web.RequestKey[str] = web.RequestKey("kvfleet_tenant", str)
 
 MIB = 1024 * 1024
+#: Health checks in a row that must time out before a replica that was healthy is marked unhealthy.
+PROBE_TIMEOUTS_TO_FAIL = 3
+#: After a drain: how long requests still in flight at the drain timeout get to finish being cancelled.
+_CANCEL_GRACE_S = 1.0
 #: How much lower the parse workers' CPU priority is than the event loop's.
 PARSE_WORKER_NICENESS = 10
 
@@ -106,13 +120,26 @@ class GatewaySettings:
     replicas: int = 1
     max_queue: int = 64
     max_queue_wait_s: float = 10.0
+    #: Requests each engine replica is given at once; more wait at the gateway and are released in fair
+    #: order (``admission.EngineQueue``). 256 is vLLM's default ``--max-num-seqs``: what an engine could
+    #: not run at once anyway. 0: no limit (the gateway holds nothing; vLLM's queue orders them).
+    engine_in_flight_per_replica: int = 256
+    #: Within an SLA tier: the Virtual Token Counter (True) or first come, first served (False).
+    fair_queuing: bool = True
+    #: The fair-queuing cost of an input and an output token (``fairness.TokenCost``).
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
     affinity_prefix_chars: int = 512
     load_factor: float = 1.25
     #: ``max_tokens`` injected when a request sends none and the tenant table gives no bound.
     default_max_tokens: int = 256
     connect_timeout_s: float = 2.0
+    #: Longest the engine may send nothing: before the answer's headers (a buffered answer's headers come
+    #: with its last token) and between two reads of a stream. Past it: 504, or an error event mid-stream.
     upstream_read_timeout_s: float = 600.0
     upstream_connections: int = 4096
+    #: On SIGTERM: how long in-flight requests may take to finish before they are cut.
+    drain_timeout_s: float = 60.0
 
 
 def error_response(
@@ -131,12 +158,15 @@ def error_response(
     )
 
 
-def stream_error_event(message: str) -> bytes:
-    """The SSE event that ends a stream the engine broke, shaped as vLLM and OpenAI send errors."""
-    error = {
-        "error": {"message": message, "type": "upstream_error", "param": None, "code": "upstream_failed"}
-    }
+def stream_error_event(message: str, code: str = "upstream_failed") -> bytes:
+    """The SSE events that end a stream the engine broke: an error shaped as OpenAI's, then ``[DONE]``, as
+    vLLM ends a stream that failed (the openai client raises ``APIError`` on the error event)."""
+    error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
     return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _check_body_complete(size: int, length: int | None) -> None:
@@ -183,6 +213,7 @@ class Gateway:
         self.gates: dict[str, TenantGate] = {}
         self.policies: dict[str, RequestPolicy] = {}
         self.routers: dict[str, PoolRouter] = {}
+        self.engine_queues: dict[str, EngineQueue] = {}
         self.session: aiohttp.ClientSession | None = None
         self.watcher = SnapshotReloader(
             settings.config_path,
@@ -205,6 +236,14 @@ class Gateway:
         self._parse_pool: ProcessPoolExecutor | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._health_wakeup = asyncio.Event()
+        #: Set on SIGTERM (``begin_drain``): not ready, and every answer closes its connection.
+        self.draining = False
+        #: Completions being handled, from arrival to the last byte of a stream (what a drain waits for).
+        self.proxying = 0
+        #: Health checks in a row that timed out, by (pool, replica URL).
+        self._probe_timeouts: dict[tuple[str, str], int] = {}
+        #: Closes the public listener (set by ``running_gateway``).
+        self.stop_listening: Callable[[], Awaitable[None]] = _nothing
 
     # -- configuration ------------------------------------------------------------------------------
     def apply_snapshot(self, snapshot: GatewaySnapshot) -> None:
@@ -223,8 +262,10 @@ class Gateway:
                 gate.update_limits(limits)
             policies[name] = self._policy_for(tenant, limits)
         self.routers = routers
+        self._update_engine_queues(snapshot)
         self.policies = policies
         self.snapshot = snapshot
+        self.metrics.set_model_deployment(snapshot.table.model_deployment)
         for name in set(self.gates) - set(snapshot.tenants):
             # Its keys are already gone; a gate with requests still in flight goes when the last ends.
             self._forget_gate_if_removed(name, self.gates[name])
@@ -233,6 +274,27 @@ class Gateway:
         log.info(
             "configuration loaded: %d tenants, %d pools", len(snapshot.tenants), len(snapshot.table.pools)
         )
+
+    def _update_engine_queues(self, snapshot: GatewaySnapshot) -> None:
+        """One ``EngineQueue`` per pool, its limit scaled to the pool's replicas; counters survive reloads."""
+        per_replica = self.settings.engine_in_flight_per_replica
+        cost = TokenCost(self.settings.fair_input_weight, self.settings.fair_output_weight)
+        queues: dict[str, EngineQueue] = {}
+        for name, pool in snapshot.table.pools.items():
+            limit = per_replica * max(1, len(pool.endpoints)) if per_replica > 0 else None
+            queue = self.engine_queues.get(name) or EngineQueue(limit, self.settings.fair_queuing, cost)
+            queue.set_limit(limit)
+            queues[name] = queue
+            for tier in SLA_ORDER:
+                depth = self.metrics.engine_queue_depth.labels(name, tier.value)
+                depth.set_function(functools.partial(queue.fair.waiting, SLA_RANK[tier]))
+        self.engine_queues = queues
+        for tenant in snapshot.tenants.values():
+            label = self.metrics.tenant_label(tenant.name)
+            if label != m.OTHER_TENANTS:
+                counter = self.metrics.fair_virtual_tokens.labels(label)
+                queue = queues[tenant.pool.name]
+                counter.set_function(functools.partial(queue.fair.counter, tenant.name))
 
     def _limits_for(self, tenant: TenantRuntime) -> GateLimits:
         rl = tenant.entry.rate_limits
@@ -324,7 +386,12 @@ class Gateway:
 
     # -- health -------------------------------------------------------------------------------------
     async def _probe(self, pool: str, replica: ReplicaState) -> None:
+        """One health check. A refused connection or an answer other than 200 marks the replica unhealthy
+        at once; a check that times out only on the ``PROBE_TIMEOUTS_TO_FAIL``-th in a row (Kubernetes'
+        failureThreshold): under CPU saturation a healthy engine, or this gateway's own event loop, can
+        be slower than the timeout, and a pool whose only replica is dropped answers every tenant 503."""
         assert self.session is not None
+        key = (pool, replica.url)
         try:
             async with self.session.get(
                 replica.url + "/health",
@@ -333,7 +400,13 @@ class Gateway:
                 await resp.read()
                 healthy = resp.status == 200
                 replica.last_error = "" if healthy else f"health check answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._probe_timeouts.pop(key, None)
+        except TimeoutError:
+            timeouts = self._probe_timeouts[key] = self._probe_timeouts.get(key, 0) + 1
+            healthy = replica.healthy and timeouts < PROBE_TIMEOUTS_TO_FAIL
+            replica.last_error = f"health check timed out ({timeouts} in a row)"
+        except (aiohttp.ClientError, OSError) as exc:
+            self._probe_timeouts.pop(key, None)
             healthy = False
             replica.last_error = f"health check failed: {type(exc).__name__}"
         if healthy != replica.healthy or not replica.checked:
@@ -357,7 +430,47 @@ class Gateway:
             self._health_wakeup.clear()
             await self.check_health_once()
 
+    def _suspect(self, pool: str, replica: ReplicaState, why: str) -> None:
+        """Passive health: a replica that broke or timed out an answer takes no new requests until a
+        health check passes again; one is run at once, so a replica that is fine is back within a probe."""
+        if replica.healthy:
+            log.warning("replica %s of pool %s marked unhealthy: %s", replica.url, pool, why)
+        replica.healthy = False
+        replica.last_error = why
+        self.metrics.replica_healthy.labels(pool, replica.url).set(0)
+        self._health_wakeup.set()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: report not ready and close every connection after its current answer."""
+        self.draining = True
+        self.guards.closing = True
+
+    def requests_in_flight(self) -> int:
+        """Requests being read or answered (streams until their last byte): what a drain waits for."""
+        return self.guards.reading() + self.proxying
+
+    async def wait_quiet(self, timeout_s: float, quiet_s: float = 0.25) -> bool:
+        """Wait until no request has been in flight for ``quiet_s`` (True), at most ``timeout_s`` (False).
+
+        While draining, every answer closes its connection, so a keep-alive client that sends one more
+        request on its connection is told to close it; once all is quiet, what is left are connections
+        nobody has used for ``quiet_s``, which the shutdown then closes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        quiet_since: float | None = None
+        while (now := loop.time()) < deadline:
+            if self.requests_in_flight():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= quiet_s:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
     def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: the gateway is shutting down"
         if self.snapshot is None:
             return False, "no valid tenant table loaded"
         for router in self.routers.values():
@@ -373,6 +486,11 @@ class Gateway:
         ready, reason = self.readiness()
         return web.json_response({"ready": ready, "reason": reason}, status=200 if ready else 503)
 
+    async def count_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        """``on_response_prepare``: count every API answer by tenant and HTTP status (metering)."""
+        if request.path.startswith("/v1/"):
+            self.metrics.count_response(request.get(_TENANT_KEY, m.UNAUTHENTICATED), response.status)
+
     async def handle_metrics(self, _request: web.Request) -> web.Response:
         payload = generate_latest(self.metrics.registry)
         return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -384,10 +502,11 @@ class Gateway:
         else:
             found = snapshot.authenticate(request.headers.get("Authorization"))
         if isinstance(found, TenantRuntime):
+            request[_TENANT_KEY] = found.name  # for the responses-by-status count (``count_response``)
             return found
         reason, response = _AUTH_REFUSALS[found]
-        self.metrics.rejected.labels(m.UNAUTHENTICATED, reason).inc()
-        self.metrics.requests.labels(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, "client_error").inc()
+        self.metrics.count_rejected(m.UNAUTHENTICATED, reason)
+        self.metrics.count_request(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, "client_error")
         return response()
 
     async def expect_continue(self, request: web.Request) -> web.Response | None:
@@ -411,13 +530,23 @@ class Gateway:
             {"id": model, "object": "model", "created": 0, "owned_by": "kvfleet"}
             for model in sorted(tenant.models)
         ]
-        return web.json_response({"object": "list", "data": data})
+        gate = self.gates.get(tenant.name)  # x-ratelimit-* on every answer, as OpenAI sends them
+        headers = gate.rate_limit_headers() if gate is not None else None
+        return web.json_response({"object": "list", "data": data}, headers=headers)
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, Endpoint.CHAT)
+        self.proxying += 1
+        try:
+            return await self._proxy(request, Endpoint.CHAT)
+        finally:
+            self.proxying -= 1
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, Endpoint.COMPLETIONS)
+        self.proxying += 1
+        try:
+            return await self._proxy(request, Endpoint.COMPLETIONS)
+        finally:
+            self.proxying -= 1
 
     def _reject(
         self,
@@ -427,16 +556,15 @@ class Gateway:
         reason: str,
         response: web.Response,
     ) -> web.Response:
-        self.metrics.rejected.labels(tenant.name, reason).inc()
+        self.metrics.count_rejected(tenant.name, reason)
         outcome = "unavailable" if reason in ("no_healthy_replica", "gateway_busy") else "client_error"
-        self.metrics.requests.labels(tenant.name, model, tenant.tier, outcome).inc()
+        self.metrics.count_request(tenant.name, model, tenant.tier, outcome)
         if gate is not None:
             response.headers.update(gate.rate_limit_headers())
         return response
 
     def _throttled(self, tenant: TenantRuntime, gate: TenantGate, exc: Throttled, model: str) -> web.Response:
-        self.metrics.throttled.labels(tenant.name, tenant.tier, exc.reason).inc()
-        self.metrics.series(tenant.name, model, tenant.tier).outcomes["throttled"].inc()
+        self.metrics.count_throttled(tenant.name, model, tenant.tier, exc.reason)
         return error_response(
             429,
             exc.message,
@@ -632,7 +760,14 @@ class Gateway:
         budget = prepared.budget
         series = self.metrics.series(tenant.name, model_label, tenant.tier)
         try:
-            admission = await gate.acquire(budget.token_estimate, budget.kv_tokens)
+            engine = EngineRequest(
+                self.engine_queues[tenant.pool.name],
+                tenant.name,
+                SLA_RANK[tenant.entry.tier],
+                tenant.entry.fair_share_weight,
+                budget.prompt_tokens,
+            )
+            admission = await gate.acquire(budget.token_estimate, budget.kv_tokens, engine)
         except Throttled as exc:
             self._forget_gate_if_removed(tenant.name, gate)
             return self._throttled(tenant, gate, exc, model_label)
@@ -681,22 +816,25 @@ class Gateway:
 
         A connection that could not be established (refused, unreachable, or not accepted within the
         connect timeout) carried no byte of the request: the replica is marked down and the next one
-        tried. Any failure after that (the
-        connection dropped, reset or timed out while the request was written or the answer awaited)
-        may come after the engine read the request, so it is a 502 and the request is not sent again:
-        an engine must never run one request twice.
+        tried. Any failure after that (the connection dropped or reset while the request was written or
+        the answer awaited: 502; no answer within the upstream timeout: 504) may come after the engine
+        read the request, so the request is not sent again (an engine must never run one request
+        twice), and the replica is suspected until a health check passes (``_suspect``).
         """
         assert self.session is not None
         router = self.routers.get(tenant.pool.name)
         key = (tenant.cache_salt + "\x00" + prepared.affinity_text).encode()
         tried: set[str] = set()
+        slow = 0  # of the tried, how many did not accept within the connect timeout (the rest refused)
         while True:
             replica = router.choose(key, tried, self.settings.load_factor) if router else None
             if replica is None:
+                pool = tenant.pool.name
                 reason = (
-                    f"no healthy engine replica in pool {tenant.pool.name!r}"
+                    f"no healthy engine replica in pool {pool!r}"
                     if not tried
-                    else f"all {len(tried)} replicas of pool {tenant.pool.name!r} refused the connection"
+                    else f"no replica of pool {pool!r} could be connected to ({len(tried) - slow} refused or "
+                    f"unreachable, {slow} did not accept within {self.settings.connect_timeout_s:g} s)"
                 )
                 return error_response(503, reason, "service_unavailable", "no_healthy_replica")
             tried.add(replica.url)
@@ -707,12 +845,16 @@ class Gateway:
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 replica.in_flight -= 1
-                replica.healthy = False
-                replica.last_error = f"connect failed: {type(exc).__name__}"
                 self.metrics.upstream_errors.labels(tenant.pool.name, "connect").inc()
-                self.metrics.replica_healthy.labels(tenant.pool.name, replica.url).set(0)
+                slow += isinstance(exc, aiohttp.ConnectionTimeoutError)
+                if not isinstance(exc, aiohttp.ConnectionTimeoutError):
+                    # Refused or unreachable: down. A connect that was slow (an accept queue full under
+                    # load) proves nothing: fail over, and leave the verdict to the health checks.
+                    replica.healthy = False
+                    replica.last_error = f"connect failed: {type(exc).__name__}"
+                    self.metrics.replica_healthy.labels(tenant.pool.name, replica.url).set(0)
                 log.warning(
-                    "replica %s of pool %s refused a connection (%s); failing over",
+                    "replica %s of pool %s refused or did not accept a connection (%s); failing over",
                     replica.url,
                     tenant.pool.name,
                     type(exc).__name__,
@@ -720,14 +862,19 @@ class Gateway:
                 continue
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 replica.in_flight -= 1
-                kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
-                self.metrics.upstream_errors.labels(tenant.pool.name, kind).inc()
-                log.warning(
-                    "replica %s of pool %s failed before answering (%s); not resent",
-                    replica.url,
-                    tenant.pool.name,
-                    type(exc).__name__,
-                )
+                timed_out = isinstance(exc, TimeoutError)
+                self.metrics.upstream_errors.labels(
+                    tenant.pool.name, "timeout" if timed_out else "disconnect"
+                ).inc()
+                self._suspect(tenant.pool.name, replica, f"failed before answering: {type(exc).__name__}")
+                if timed_out:
+                    return error_response(
+                        504,
+                        f"the engine sent no answer within {self.settings.upstream_read_timeout_s:g} s; the "
+                        "request was not retried because the engine may have received it",
+                        "upstream_error",
+                        "upstream_timeout",
+                    )
                 return error_response(
                     502,
                     "the engine connection failed before it answered; the request was not retried "
@@ -760,7 +907,7 @@ class Gateway:
         if isinstance(connected, web.Response):
             connected.headers.update(limit_headers)
             if connected.status == 503:
-                self.metrics.rejected.labels(tenant.name, "no_healthy_replica").inc()
+                self.metrics.count_rejected(tenant.name, "no_healthy_replica")
                 return connected, "unavailable"
             return connected, "upstream_error"
         upstream, replica = connected
@@ -793,19 +940,25 @@ class Gateway:
             TimeoutError,
         ) as exc:
             upstream.close()
-            kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
-            self.metrics.upstream_errors.labels(tenant.pool.name, kind).inc()
-            log.warning(
-                "replica %s of pool %s failed mid-answer (%s)",
-                replica.url,
-                tenant.pool.name,
-                type(exc).__name__,
+            timed_out = isinstance(exc, TimeoutError)
+            self.metrics.upstream_errors.labels(
+                tenant.pool.name, "timeout" if timed_out else "disconnect"
+            ).inc()
+            self._suspect(tenant.pool.name, replica, f"failed mid-answer: {type(exc).__name__}")
+            message = (
+                f"the engine sent nothing for {self.settings.upstream_read_timeout_s:g} s during the answer"
+                if timed_out
+                else "the engine connection failed during the answer"
             )
             if started:  # headers already went out: end the stream with an error event where it broke
-                await _end_stream_with_error(started[0], "the engine connection failed during the answer")
+                code = "upstream_timeout" if timed_out else "upstream_failed"
+                await _end_stream_with_error(started[0], message, code)
                 return started[0], "upstream_error"
             failed = error_response(
-                502, "the engine connection failed during the answer", "upstream_error", "upstream_failed"
+                504 if timed_out else 502,
+                message,
+                "upstream_error",
+                "upstream_timeout" if timed_out else "upstream_failed",
             )
             failed.headers.update(limit_headers)
             return failed, "upstream_error"
@@ -813,7 +966,7 @@ class Gateway:
             replica.in_flight -= 1
             upstream.release()
         if usage.seen:
-            admission.reconcile_tokens(usage.prompt + usage.completion)
+            admission.settle_usage(usage.prompt, usage.completion)
             series.prompt_tokens.inc(usage.prompt)
             series.completion_tokens.inc(usage.completion)
             series.cached_prompt_tokens.inc(usage.cached)
@@ -859,7 +1012,11 @@ class Gateway:
                 **limit_headers,
             },
         )
-        await out.prepare(request)
+        try:
+            await out.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            upstream.close()  # the client left while the engine was starting its answer
+            return out, "cancelled"
         started.append(out)
         ttft = series.ttft
         itl = series.itl
@@ -901,10 +1058,12 @@ class Gateway:
         return out, "ok"
 
 
-async def _end_stream_with_error(out: web.StreamResponse, message: str) -> None:
+async def _end_stream_with_error(
+    out: web.StreamResponse, message: str, code: str = "upstream_failed"
+) -> None:
     """Write the error event and end the stream; a client that is already gone is fine."""
     with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-        await out.write(stream_error_event(message))
+        await out.write(stream_error_event(message, code))
         await out.write_eof()
 
 
@@ -1017,6 +1176,7 @@ def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) 
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
     app.on_response_prepare.append(gateway.guards.on_response_prepare)
+    app.on_response_prepare.append(gateway.count_response)
     app.router.add_post(Endpoint.CHAT.value, gateway.handle_chat, expect_handler=gateway.expect_continue)
     app.router.add_post(
         Endpoint.COMPLETIONS.value, gateway.handle_completions, expect_handler=gateway.expect_continue
@@ -1044,14 +1204,21 @@ async def running_gateway(
     *,
     metrics_host: str | None = None,
     metrics_port: int = 0,
+    shutdown_timeout_s: float | None = None,
 ) -> AsyncIterator[tuple[str, Gateway]]:
     """Start the gateway on ``host:port`` and its metrics on ``metrics_host:metrics_port`` (0: a free
     port; the host defaults to ``host``); yield the public base URL and the state (its ``metrics_url``
-    set); stop both."""
+    and ``stop_listening`` set); stop both. On exit, requests still in flight get ``shutdown_timeout_s``
+    (default ``drain_timeout_s``) before they are cancelled."""
     app = build_app(settings, metrics)
     gateway = app[GATEWAY_KEY]
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, keepalive_timeout=settings.idle_timeout_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=settings.idle_timeout_s,
+        # On exit: stop listening, close idle connections, give in-flight requests this long, cancel.
+        shutdown_timeout=settings.drain_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s,
     )
     metrics_runner = web.AppRunner(build_metrics_app(gateway), access_log=None)
     await runner.setup()
@@ -1059,13 +1226,14 @@ async def running_gateway(
         await metrics_runner.setup()
         site = GuardedSite(runner, host, port, gateway.guards)
         await site.start()
+        gateway.stop_listening = site.stop
         metrics_site = web.TCPSite(metrics_runner, metrics_host or host, metrics_port)
         await metrics_site.start()
         gateway.metrics_url = f"http://{metrics_host or host}:{metrics_runner.addresses[0][1]}"
         yield f"http://{host}:{runner.addresses[0][1]}", gateway
     finally:
+        await runner.cleanup()  # first: /metrics stays up while in-flight requests drain
         await metrics_runner.cleanup()
-        await runner.cleanup()
 
 
 def _raise_open_files_limit(wanted: int) -> None:
@@ -1089,7 +1257,16 @@ def _raise_open_files_limit(wanted: int) -> None:
 async def serve(
     settings: GatewaySettings, host: str, port: int, metrics_host: str, metrics_port: int
 ) -> None:
-    """Run the gateway until SIGTERM/SIGINT, then drain in-flight requests and stop."""
+    """Run the gateway until SIGTERM/SIGINT, then drain and stop.
+
+    The drain: the listener closes (new connections go to other replicas), ``/readyz`` answers 503 and
+    every answer closes its connection, so keep-alive clients are retired between requests rather than
+    finding a connection closed under a request they are sending. Requests in flight (streams included)
+    get up to ``drain_timeout_s``; once nothing has been in flight for a moment, the idle connections
+    left are closed and the process exits; what is still running at the drain timeout is cancelled. A
+    Kubernetes preStop sleep before SIGTERM lets the endpoint's removal reach every node's proxy first
+    (operator/kvfleet_operator/build/gateway.py), so nothing new is sent to a draining gateway.
+    """
     _raise_open_files_limit(settings.max_connections + settings.upstream_connections + 256)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -1097,9 +1274,23 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     async with running_gateway(
-        settings, host, port, metrics_host=metrics_host, metrics_port=metrics_port
+        settings,
+        host,
+        port,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        shutdown_timeout_s=_CANCEL_GRACE_S,  # the drain below is the wait; then only the cancelling
     ) as (url, gateway):
         log.info("kvfleet gateway listening on %s, metrics on %s", url, gateway.metrics_url)
         await gateway.warm_parse_workers()
         await stop.wait()
-        log.info("shutting down: draining in-flight requests")
+        gateway.begin_drain()
+        await gateway.stop_listening()
+        log.info(
+            "shutting down: draining %d requests on %d connections (up to %g s)",
+            gateway.requests_in_flight(),
+            gateway.guards.open,
+            settings.drain_timeout_s,
+        )
+        if not await gateway.wait_quiet(settings.drain_timeout_s):
+            log.warning("drain timeout: cancelling %d requests still in flight", gateway.requests_in_flight())

@@ -9,6 +9,11 @@ built-in (``--workload rag-chat|multi-round-qa|noisy-neighbour``) or ``--trace F
 operator renders for a ModelDeployment) supplies both: the pool's capacities, burst cap and replicas, and
 every tenant of the pool with its SLA tier, quotas and TTLs (planner flags, when given, set the
 capacities instead). Output: a table per policy, or ``--output json``; ``--plot DIR`` writes PNG charts.
+
+``--fair-queuing fifo,vtc`` replays instead the gateway's fair queue (``kv.fairness``) in front of
+``replicas x --slots-per-replica`` engine slots (``simulate_fair_queuing``): tenants ``--fair-tenant
+NAME:SLA:WEIGHT:LOAD`` (LOAD in multiples of the fleet's request capacity) or a ``--fair-scenario``, and
+per mode each tenant's served tokens/s, TTFT p50/p99, refusals and Jain's fairness index.
 Exit codes: 0, 2 on bad input.
 """
 
@@ -23,9 +28,20 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from kvfleet_runtime.config import PoolEntry, SlaTier, TenantTable, TierTTLs
+from kvfleet_runtime.kv.fairness import TokenCost
 from kvfleet_runtime.kv.plan_cli import build_plan_request
 from kvfleet_runtime.kv.presets import PRESETS
-from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulatedTenant, SimulationResult, simulate
+from kvfleet_runtime.kv.simulator import (
+    POLICIES,
+    FairQueuingResult,
+    FairTenant,
+    FleetSpec,
+    SimulatedTenant,
+    SimulationResult,
+    build_fair_workload,
+    simulate,
+    simulate_fair_queuing,
+)
 from kvfleet_runtime.kv.sizing import (
     DEFAULT_NVME_GBPS,
     DEFAULT_PCIE_GBPS,
@@ -117,6 +133,20 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--hbm-ttl", type=float, default=TierTTLs().hbm_seconds, help="kvfleet: HBM TTL (s)")
     work.add_argument("--cpu-ttl", type=float, default=TierTTLs().cpu_seconds, help="kvfleet: CPU TTL (s)")
     work.add_argument("--nvme-ttl", type=float, default=TierTTLs().nvme_seconds, help="kvfleet: NVMe TTL (s)")
+    fair = parser.add_argument_group("fair queuing at the gateway (instead of the KV replay)")
+    fair.add_argument("--fair-queuing", metavar="MODES", help="comma-separated: fifo, vtc (e.g. fifo,vtc)")
+    fair.add_argument("--fair-scenario", default="two-tenants-5x", choices=tuple(FAIR_SCENARIOS))
+    fair.add_argument(
+        "--fair-tenant",
+        action="append",
+        metavar="NAME:SLA:WEIGHT:LOAD",
+        help="a tenant (repeatable, replaces the scenario): LOAD its requests/s as a multiple of the fleet's "
+        "request capacity",
+    )
+    fair.add_argument("--slots-per-replica", type=int, default=256, help="the gateway's in-flight limit")
+    fair.add_argument("--fair-max-wait", type=float, default=10.0, help="seconds held before a 429")
+    fair.add_argument("--prompt-tokens", default="128-384", help="prompt length range, e.g. 128-384")
+    fair.add_argument("--output-tokens", default="128-384", help="output length range, e.g. 128-384")
     sim = parser.add_argument_group("simulation and output")
     sim.add_argument(
         "--policy", default="lru,kvfleet", help=f"comma-separated, from: {', '.join(POLICIES)} (or 'all')"
@@ -304,9 +334,169 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
+#: Built-in fair-queuing scenarios: (name, SLA, weight, load as a multiple of the request capacity).
+#: ``two-tenants-5x``: the VTC paper's overloaded pair, both above their half (Jain's index of the service
+#: is the measure); ``light-under-share``: the light tenant asks less than its half (its TTFT is);
+#: ``weighted``: four tenants of weights 1, 1, 2, 4, each asking half the fleet; ``tiers``: a premium
+#: tenant above the standard pair (strict priority, then VTC within standard). The ``gaie-*`` ones follow
+#: the Gateway API Inference Extension's flow-control benchmarking guide (kubernetes-sigs/gateway-api-
+#: inference-extension#1801): ``gaie-single-saturation`` (its scenario 1: one tenant just past
+#: saturation; with one tenant VTC orders exactly as FIFO, so the pair checks that the fair queue costs
+#: nothing there), ``gaie-8-tenants`` (its scenario 3: eight tenants of one tier and equal load, twice the
+#: fleet) and ``gaie-8-tenants-skewed`` (scenario 3 with one tier but demands from 0.05 to 1.6 x capacity,
+#: where FIFO follows the arrivals and VTC gives each its max-min fair share).
+FAIR_SCENARIOS: dict[str, tuple[tuple[str, SlaTier, float, float], ...]] = {
+    "two-tenants-5x": (("light", SlaTier.STANDARD, 1.0, 0.6), ("heavy", SlaTier.STANDARD, 1.0, 3.0)),
+    "light-under-share": (("light", SlaTier.STANDARD, 1.0, 0.2), ("heavy", SlaTier.STANDARD, 1.0, 1.0)),
+    "weighted": (
+        ("w1-a", SlaTier.STANDARD, 1.0, 0.5),
+        ("w1-b", SlaTier.STANDARD, 1.0, 0.5),
+        ("w2", SlaTier.STANDARD, 2.0, 0.5),
+        ("w4", SlaTier.STANDARD, 4.0, 0.5),
+    ),
+    "tiers": (
+        ("premium", SlaTier.PREMIUM, 1.0, 0.3),
+        ("light", SlaTier.STANDARD, 1.0, 0.6),
+        ("heavy", SlaTier.STANDARD, 1.0, 3.0),
+    ),
+    "gaie-single-saturation": (("only", SlaTier.STANDARD, 1.0, 1.1),),
+    "gaie-8-tenants": tuple((f"t{i}", SlaTier.STANDARD, 1.0, 0.25) for i in range(1, 9)),
+    "gaie-8-tenants-skewed": tuple(
+        (f"t{i}", SlaTier.STANDARD, 1.0, load)
+        for i, load in enumerate((0.05, 0.05, 0.1, 0.1, 0.2, 0.4, 0.8, 1.6), start=1)
+    ),
+}
+
+
+def _length_range(text: str, flag: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise SimulateError(f"{flag} {text!r}: want N or LOW-HIGH tokens") from None
+    if not 0 < bounds[0] <= bounds[1]:
+        raise SimulateError(f"{flag} {text!r}: want 0 < LOW <= HIGH")
+    return bounds
+
+
+def _fair_tenants(args: argparse.Namespace) -> list[tuple[str, SlaTier, float, float]]:
+    if not args.fair_tenant:
+        return list(FAIR_SCENARIOS[args.fair_scenario])
+    rows = []
+    for text in args.fair_tenant:
+        parts = text.split(":")
+        if len(parts) != 4:
+            raise SimulateError(
+                f"--fair-tenant {text!r}: want NAME:SLA:WEIGHT:LOAD, e.g. acme:standard:2:0.5"
+            )
+        try:
+            row = (parts[0], SlaTier(parts[1]), float(parts[2]), float(parts[3]))
+        except ValueError as exc:
+            raise SimulateError(f"--fair-tenant {text!r}: {exc}") from None
+        if row[2] <= 0 or row[3] < 0:
+            raise SimulateError(f"--fair-tenant {text!r}: WEIGHT must be > 0 and LOAD >= 0")
+        rows.append(row)
+    return rows
+
+
+def run_fair_queuing(args: argparse.Namespace, out: TextIO) -> int:
+    """``--fair-queuing``: the same workload through each mode; see the module docstring."""
+    modes = [m.strip() for m in args.fair_queuing.split(",") if m.strip()]
+    if not modes or any(m not in ("fifo", "vtc") for m in modes):
+        raise SimulateError(f"--fair-queuing {args.fair_queuing!r}: choose from fifo, vtc")
+    if args.slots_per_replica < 1:
+        raise SimulateError("--slots-per-replica must be at least 1")
+    if args.replicas:
+        replicas = int(args.replicas)
+    else:
+        per = int(args.gpus_per_replica or args.tensor_parallel or 1)
+        replicas = int(args.gpus) // per if args.gpus else 1
+    if replicas < 1:
+        raise SimulateError("the fleet needs at least one replica (--replicas or --gpus)")
+    prompt = _length_range(args.prompt_tokens, "--prompt-tokens")
+    output = _length_range(args.output_tokens, "--output-tokens")
+    fleet = FleetSpec(
+        replicas=replicas,
+        unit_tokens=1,
+        hbm_units_per_replica=0,
+        prefill_tokens_per_second=args.prefill_tps,
+        decode_tokens_per_second=args.decode_tps,
+    )
+    # Requests/s the fleet serves with every slot busy, for the mean request.
+    seconds = sum(prompt) / 2 / args.prefill_tps + sum(output) / 2 / args.decode_tps
+    capacity_rps = replicas * args.slots_per_replica / seconds
+    rows = _fair_tenants(args)
+    tenants = [FairTenant(name, sla, weight) for name, sla, weight, _ in rows]
+    rates = {name: load * capacity_rps for name, _, _, load in rows}
+    requests = build_fair_workload(rates, args.duration, prompt, output, seed=args.seed)
+    warmup = min(args.warmup, args.duration / 2)
+    results = [
+        simulate_fair_queuing(
+            requests,
+            fleet,
+            tenants,
+            slots_per_replica=args.slots_per_replica,
+            fair=mode == "vtc",
+            cost=TokenCost(),
+            warmup_seconds=warmup,
+            max_wait_s=args.fair_max_wait,
+        )
+        for mode in modes
+    ]
+    if args.output == "json":
+        doc = {
+            "replicas": replicas,
+            "slots_per_replica": args.slots_per_replica,
+            "capacity_requests_per_s": capacity_rps,
+            "requests": len(requests),
+            "tenants": [
+                {"name": n, "sla": s.value, "weight": w, "load": load, "requests_per_s": rates[n]}
+                for n, s, w, load in rows
+            ],
+            "results": [r.as_dict() for r in results],
+        }
+        out.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        out.write(render_fair_table(replicas, args.slots_per_replica, capacity_rps, len(requests), results))
+    return 0
+
+
+def render_fair_table(
+    replicas: int, slots: int, capacity_rps: float, requests: int, results: list[FairQueuingResult]
+) -> str:
+    lines = [
+        f"fleet: {replicas} replica(s) x {slots} slots, about {capacity_rps:,.0f} requests/s; "
+        f"{requests:,} requests",
+        "",
+    ]
+    for r in results:
+        lines.append(
+            f"fair queuing {r.mode}: Jain (weighted service) {r.jain_weighted_service:.3f}, "
+            f"Jain (vs weighted max-min fair share) {r.jain_fair_share:.3f}"
+        )
+        lines.append(
+            f"{'tenant':<12} {'weight':>6} {'tok/s':>9} {'wtok/s':>9} {'share':>9} {'ttft50':>8} "
+            f"{'ttft99':>8} {'served':>7} {'refused':>7}"
+        )
+        for t in r.tenants.values():
+            lines.append(
+                f"{t.tenant:<12} {t.weight:>6g} {t.tokens_per_s:>9,.0f} {t.weighted_tokens_per_s:>9,.0f} "
+                f"{t.fair_share_weighted_tokens_per_s:>9,.0f} {t.ttft_p50_ms:>6.0f}ms "
+                f"{t.ttft_p99_ms:>6.0f}ms {t.served:>7} {t.refused:>7}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def run_simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    if args.fair_queuing:
+        try:
+            return run_fair_queuing(args, out)
+        except (SimulateError, ValueError) as exc:
+            print(f"kvfleet simulate: error: {exc}", file=err)
+            return EXIT_BAD_INPUT
     try:
         policies = parse_policies(args.policy)
         fleet = build_fleet_spec(args)

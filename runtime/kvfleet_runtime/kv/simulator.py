@@ -36,25 +36,35 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import sys
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvfleet_runtime.config import DEFAULT_BURST_CAP, KVTier, SlaTier, TierTTLs
+from kvfleet_runtime.config import DEFAULT_BURST_CAP, SLA_RANK, KVTier, SlaTier, TierTTLs
+from kvfleet_runtime.kv.fairness import FairQueue, Ticket, TokenCost
 from kvfleet_runtime.kv.limits import TenantLimits, build_limits, burst_units
 from kvfleet_runtime.kv.policy import EvictionReason, TierPolicy, Victim
 from kvfleet_runtime.kv.workloads import Request
 
 __all__ = [
     "POLICIES",
+    "FairQueuingResult",
+    "FairRequest",
+    "FairTenant",
+    "FairTenantReport",
     "FleetSpec",
     "PolicySpec",
     "SimulatedTenant",
     "SimulationResult",
     "TenantReport",
+    "build_fair_workload",
     "compute_unit_keys",
+    "jain_index",
     "simulate",
+    "simulate_fair_queuing",
+    "weighted_max_min_shares",
 ]
 
 _TIERS: tuple[KVTier, ...] = (KVTier.HBM, KVTier.CPU, KVTier.NVME)
@@ -538,4 +548,235 @@ def simulate(
         capacity=capacity,
         hit_rate_timeline=timeline,
         warmup_seconds=warmup_seconds,
+    )
+
+
+# -- fair queuing at the gateway (``kvfleet simulate --fair-queuing``) ------------------------------------
+@dataclass(frozen=True, slots=True)
+class FairTenant:
+    """A tenant as the gateway's fair queue sees it."""
+
+    name: str
+    sla: SlaTier = SlaTier.STANDARD
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class FairRequest:
+    """One request of a fair-queuing workload."""
+
+    time: float
+    tenant: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(slots=True)
+class FairTenantReport:
+    """What one tenant got in the measured window (``warmup_seconds`` to the end of the arrivals)."""
+
+    tenant: str
+    weight: float
+    arrived: int = 0
+    served: int = 0
+    #: Tokens computed in the window (prefill at dispatch, decode as it runs), per second.
+    tokens_per_s: float = 0.0
+    #: The same, weighted by the cost (input + output_weight x output), per second: what VTC shares.
+    weighted_tokens_per_s: float = 0.0
+    #: What the tenant asked for in the window, weighted, per second.
+    demand_weighted_tokens_per_s: float = 0.0
+    #: Its weighted max-min fair share of what the fleet served (capped by its demand).
+    fair_share_weighted_tokens_per_s: float = 0.0
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    #: Requests refused after waiting ``max_wait_s`` at the gateway (its 429).
+    refused: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class FairQueuingResult:
+    mode: str
+    tenants: dict[str, FairTenantReport]
+    #: Jain's index of ``weighted service / weight`` over the tenants (1: equal weighted service).
+    jain_weighted_service: float
+    #: Jain's index of ``weighted service / weighted max-min fair share`` (1: every tenant got its fair
+    #: share, or all it asked for when that is less; Jain's original, normalised form).
+    jain_fair_share: float
+    measured_seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode,
+            "jain_weighted_service": self.jain_weighted_service,
+            "jain_fair_share": self.jain_fair_share,
+            "measured_seconds": self.measured_seconds,
+            "tenants": {name: r.as_dict() for name, r in self.tenants.items()},
+        }
+
+
+def jain_index(values: Sequence[float]) -> float:
+    """Jain's fairness index ``(Σx)² / (n Σx²)``: 1 when all equal, ``1/n`` when one has everything."""
+    if not values:
+        return 1.0
+    square_sum = sum(x * x for x in values)
+    return 1.0 if square_sum == 0 else sum(values) ** 2 / (len(values) * square_sum)
+
+
+def weighted_max_min_shares(
+    demands: dict[str, float], weights: dict[str, float], capacity: float
+) -> dict[str, float]:
+    """Water-filling: each tenant gets ``capacity x weight / Σweights`` of what is left, or its demand when
+    that is less, repeated until nothing is left or every demand is met."""
+    shares = dict.fromkeys(demands, 0.0)
+    active = {t for t, d in demands.items() if d > 0}
+    left = capacity
+    while active and left > 1e-12:
+        total_weight = sum(weights[t] for t in active)
+        offer = {t: left * weights[t] / total_weight for t in active}
+        met = {t for t in active if demands[t] - shares[t] <= offer[t]}
+        if not met:
+            for t in active:
+                shares[t] += offer[t]
+            break
+        for t in met:
+            left -= demands[t] - shares[t]
+            shares[t] = demands[t]
+        active -= met
+    return shares
+
+
+def build_fair_workload(
+    rates: dict[str, float],
+    duration: float,
+    prompt_tokens: tuple[int, int] = (128, 384),
+    output_tokens: tuple[int, int] = (128, 384),
+    seed: int = 0,
+) -> list[FairRequest]:
+    """Poisson arrivals at ``rates`` (requests/s per tenant), lengths uniform in the given ranges (the
+    synthetic workloads of the VTC paper: fixed-rate clients, some above their share)."""
+    rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
+    out: list[FairRequest] = []
+    for tenant, rate in sorted(rates.items()):
+        t = rng.expovariate(rate) if rate > 0 else duration
+        while t < duration:
+            out.append(FairRequest(t, tenant, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
+            t += rng.expovariate(rate)
+    out.sort(key=lambda r: (r.time, r.tenant))
+    return out
+
+
+def simulate_fair_queuing(
+    requests: Sequence[FairRequest],
+    fleet: FleetSpec,
+    tenants: Sequence[FairTenant],
+    *,
+    slots_per_replica: int,
+    fair: bool,
+    cost: TokenCost | None = None,
+    warmup_seconds: float = 0.0,
+    max_wait_s: float | None = 10.0,
+) -> FairQueuingResult:
+    """Replay ``requests`` (sorted by time) through the gateway's fair queue (``kv.fairness.FairQueue``,
+    the very core the gateway runs) in front of ``fleet.replicas x slots_per_replica`` engine slots.
+
+    Model: a dispatched request holds one slot for ``prompt / prefill_tokens_per_second`` (its TTFT
+    after the wait) plus ``output / decode_tokens_per_second``; slots are independent (continuous
+    batching at a fixed per-sequence decode rate, no KV limit). Service is measured from
+    ``warmup_seconds`` to the last arrival: prefill tokens when dispatched, output tokens as decoded.
+    The queue is charged as the gateway charges it (input at dispatch, output when the answer ends).
+    A request held longer than ``max_wait_s`` is refused (the gateway's 429 after ``--queue-timeout``;
+    ``None``: held until served). After the last arrival the replay runs on until every request is
+    served or refused, so TTFT percentiles cover every request that arrived after the warm-up.
+    """
+    cost = cost or TokenCost()
+    spec = {t.name: t for t in tenants}
+    for r in requests:
+        if r.tenant not in spec:
+            spec[r.tenant] = FairTenant(r.tenant)
+    queue: FairQueue[FairRequest] = FairQueue(fleet.replicas * slots_per_replica, cost, fair=fair)
+    end = max((r.time for r in requests), default=0.0)
+    window = max(1e-9, end - warmup_seconds)
+    served_in = dict.fromkeys(spec, 0.0)
+    served_out = dict.fromkeys(spec, 0.0)
+    demand = dict.fromkeys(spec, 0.0)
+    ttfts: dict[str, list[float]] = {name: [] for name in spec}
+    reports = {name: FairTenantReport(name, s.weight) for name, s in spec.items()}
+    completions: list[tuple[float, int, Ticket[FairRequest]]] = []
+    deadlines: list[tuple[float, int, Ticket[FairRequest]]] = []
+    seq = 0
+
+    def in_window(a: float, b: float) -> float:
+        return max(0.0, min(b, end) - max(a, warmup_seconds))
+
+    def dispatch(now: float) -> None:
+        nonlocal seq
+        for ticket in queue.drain():
+            r = ticket.item
+            prefill = r.prompt_tokens / fleet.prefill_tokens_per_second
+            decode = r.output_tokens / fleet.decode_tokens_per_second
+            if warmup_seconds <= now <= end:
+                served_in[r.tenant] += r.prompt_tokens
+            if decode > 0:
+                served_out[r.tenant] += (
+                    r.output_tokens * in_window(now + prefill, now + prefill + decode) / decode
+                )
+            if r.time >= warmup_seconds:
+                ttfts[r.tenant].append(now - r.time + prefill)
+            seq += 1
+            heapq.heappush(completions, (now + prefill + decode, seq, ticket))
+
+    def complete_until(limit: float) -> None:
+        while completions or deadlines:
+            done = completions[0][0] if completions else math.inf
+            due = deadlines[0][0] if deadlines else math.inf
+            if min(done, due) > limit:
+                return
+            if due < done:
+                _, _, ticket = heapq.heappop(deadlines)
+                if queue.cancel(ticket) and ticket.item.time >= warmup_seconds:
+                    reports[ticket.tenant].refused += 1
+                continue
+            _, _, ticket = heapq.heappop(completions)
+            queue.settle(ticket, ticket.item.prompt_tokens, ticket.item.output_tokens)
+            queue.finish(ticket)
+            dispatch(done)
+
+    for r in requests:
+        complete_until(r.time)
+        sla = spec[r.tenant].sla
+        ticket = queue.push(r.tenant, SLA_RANK[sla], spec[r.tenant].weight, r.prompt_tokens, r)
+        if max_wait_s is not None:
+            seq += 1
+            heapq.heappush(deadlines, (r.time + max_wait_s, seq, ticket))
+        if r.time >= warmup_seconds:
+            reports[r.tenant].arrived += 1
+            demand[r.tenant] += cost.of(r.prompt_tokens, r.output_tokens)
+        dispatch(r.time)
+    complete_until(math.inf)
+    dispatched = {name: len(values) for name, values in ttfts.items()}
+    weighted = {name: cost.of(served_in[name], served_out[name]) / window for name in spec}
+    shares = weighted_max_min_shares(
+        {name: demand[name] / window for name in spec},
+        {name: s.weight for name, s in spec.items()},
+        sum(weighted.values()),
+    )
+    for name, report in reports.items():
+        values = sorted(ttfts[name])
+        report.served = dispatched[name]
+        report.tokens_per_s = (served_in[name] + served_out[name]) / window
+        report.weighted_tokens_per_s = weighted[name]
+        report.demand_weighted_tokens_per_s = demand[name] / window
+        report.fair_share_weighted_tokens_per_s = shares[name]
+        report.ttft_p50_ms = _percentile(values, 0.5) * 1000
+        report.ttft_p99_ms = _percentile(values, 0.99) * 1000
+    active = [name for name in spec if demand[name] > 0]
+    return FairQueuingResult(
+        mode="vtc" if fair else "fifo",
+        tenants=reports,
+        jain_weighted_service=jain_index([weighted[n] / spec[n].weight for n in active]),
+        jain_fair_share=jain_index([weighted[n] / shares[n] for n in active if shares[n] > 0]),
+        measured_seconds=window,
     )

@@ -1,0 +1,47 @@
+"""The per-salt Prometheus series of one :class:`L1Governor` (LMCache's L1 in ``lmcache_server`` and the
+shared KV tier in ``shared_tier``): resident bytes, quota and burst cap per ``cache_salt`` (a salt's
+gauges removed once it holds nothing), evictions by salt and reason, and tenant table reloads."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+from kvfleet_runtime.engine.l1_governance import L1Governor
+from kvfleet_runtime.kv.policy import EvictionReason
+
+
+class GovernorMetrics:
+    """Series named ``<prefix>_bytes``, ``_quota_bytes``, ``_burst_bytes``, ``_evictions`` and
+    ``_tenant_table_reloads`` in the default registry; ``where`` and ``objects`` word the help texts."""
+
+    def __init__(self, prefix: str, where: str, objects: str) -> None:
+        self.bytes = Gauge(f"{prefix}_bytes", f"Bytes of a salt resident in {where}.", ["cache_salt"])
+        self.quota = Gauge(f"{prefix}_quota_bytes", f"A salt's {where} quota.", ["cache_salt"])
+        self.burst = Gauge(f"{prefix}_burst_bytes", f"A salt's {where} burst cap.", ["cache_salt"])
+        self.evictions = Counter(
+            f"{prefix}_evictions",
+            f"{objects} evicted by kvfleet's policy, by salt and reason.",
+            ["cache_salt", "reason"],
+        )
+        self.reloads = Counter(
+            f"{prefix}_tenant_table_reloads", "Tenant table reloads by result.", ["result"]
+        )
+        self._reported: dict[tuple[str, EvictionReason], int] = {}
+        self._salts: set[str] = set()
+
+    def publish(self, governor: L1Governor) -> None:
+        """Set the gauges to the governor's usage now; add its evictions since the last publish."""
+        usage = governor.usage()
+        for salt in self._salts - set(usage):
+            for gauge in (self.bytes, self.quota, self.burst):
+                gauge.remove(salt)
+        self._salts = set(usage)
+        for salt, u in usage.items():
+            self.bytes.labels(salt).set(u.resident_bytes)
+            self.quota.labels(salt).set(u.limits.quota)
+            self.burst.labels(salt).set(u.limits.burst)
+            for reason, count in u.evictions.items():
+                before = self._reported.get((salt, reason), 0)
+                if count > before:
+                    self.evictions.labels(salt, reason.value).inc(count - before)
+                self._reported[(salt, reason)] = max(before, count)
