@@ -61,10 +61,22 @@ LMCACHE_TENANT = 'tenant=~"$tenant"'
 
 @dataclass(frozen=True)
 class Query:
-    """One PromQL query of a panel and its legend."""
+    """One PromQL query of a panel and its legend.
+
+    ``event_expr`` is set on the queries of rare-event counters that the panel pads with a zero baseline
+    (:func:`event_query`): it is the query without the baseline, whose series only the event itself
+    creates. ``proof_expr`` is what proves the panel against a real Prometheus
+    (tests/e2e/test_dashboards_e2e.py): a baseline is for display and never counts as data.
+    """
 
     expr: str
     legend: str = ""
+    event_expr: str | None = None
+
+    @property
+    def proof_expr(self) -> str:
+        """The query without any zero baseline (``expr`` when it has none)."""
+        return self.expr if self.event_expr is None else self.event_expr
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,16 @@ def or_zero(expr: str, baseline: str, on: str) -> str:
     tenant/pool that has events.
     """
     return f"({expr}) or on ({on}) ({baseline} * 0)"
+
+
+def event_query(expr: str, baseline: str, on: str, legend: str) -> Query:
+    """A panel query of a rare-event counter: shown with :func:`or_zero`'s baseline, proven without it."""
+    return Query(or_zero(expr, baseline, on), legend, event_expr=expr)
+
+
+def usage_total(name: str, selector: str) -> str:
+    """What counter ``name`` gained per tenant over the dashboard's time range (``$__range``)."""
+    return f"sum by (tenant) (round(increase({name}{{{selector}}}[$__range])))"
 
 
 def _bucket(name: str) -> str:
@@ -208,13 +230,11 @@ FLEET = DashboardSpec(
                     "Gateway upstream errors",
                     "Failures talking to engine replicas, by pool and kind.",
                     [
-                        Query(
-                            or_zero(
-                                rate(gw.UPSTREAM_ERRORS_TOTAL, "", "pool, kind"),
-                                f"sum by (pool) ({gw.REPLICA_HEALTHY})",
-                                on="pool",
-                            ),
-                            "{{pool}} {{kind}}",
+                        event_query(
+                            rate(gw.UPSTREAM_ERRORS_TOTAL, "", "pool, kind"),
+                            f"sum by (pool) ({gw.REPLICA_HEALTHY})",
+                            on="pool",
+                            legend="{{pool}} {{kind}}",
                         )
                     ],
                     unit="short",
@@ -277,13 +297,11 @@ TENANT_DASHBOARD = DashboardSpec(
                     "Requests answered 429 by admission control, by tenant and reason (rate, tokens, "
                     "concurrency, KV budget).",
                     [
-                        Query(
-                            or_zero(
-                                rate(gw.THROTTLED_TOTAL, LMCACHE_TENANT, "tenant, reason"),
-                                rate(gw.REQUESTS_TOTAL, LMCACHE_TENANT, "tenant"),
-                                on="tenant",
-                            ),
-                            "{{tenant}} {{reason}}",
+                        event_query(
+                            rate(gw.THROTTLED_TOTAL, LMCACHE_TENANT, "tenant, reason"),
+                            rate(gw.REQUESTS_TOTAL, LMCACHE_TENANT, "tenant"),
+                            on="tenant",
+                            legend="{{tenant}} {{reason}}",
                         )
                     ],
                     unit="reqps",
@@ -323,21 +341,17 @@ TENANT_DASHBOARD = DashboardSpec(
                     "HBM blocks evicted by kvfleet's policy per second (reason ttl, over_quota or lru), and "
                     "LMCache TTL expiries per tier (CPU, NVMe).",
                     [
-                        Query(
-                            or_zero(
-                                rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
-                                f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
-                                on="tenant",
-                            ),
-                            "{{tenant}} hbm {{reason}}",
+                        event_query(
+                            rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
+                            f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                            on="tenant",
+                            legend="{{tenant}} hbm {{reason}}",
                         ),
-                        Query(
-                            or_zero(
-                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, kv_tier"),
-                                f"sum by (tenant, kv_tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
-                                on="tenant, kv_tier",
-                            ),
-                            "{{tenant}} {{kv_tier}} ttl",
+                        event_query(
+                            rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "tenant, kv_tier"),
+                            f"sum by (tenant, kv_tier) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                            on="tenant, kv_tier",
+                            legend="{{tenant}} {{kv_tier}} ttl",
                         ),
                     ],
                 ),
@@ -351,6 +365,25 @@ TENANT_DASHBOARD = DashboardSpec(
                         )
                     ],
                     unit="s",
+                ),
+            ),
+        ),
+        (
+            "Usage (bill)",
+            (
+                PanelSpec(
+                    "Usage (bill)",
+                    "What each tenant used over the dashboard's time range: API answers (any status), "
+                    "prompt tokens, prompt tokens served from the prefix cache, and completion tokens, as "
+                    "the engine reported them in usage. Prometheus's increase() extrapolates; the exact "
+                    "per-day bill is `kvfleet usage` (docs/operations.md, Metering and usage).",
+                    [
+                        Query(usage_total(gw.RESPONSES_TOTAL, LMCACHE_TENANT), "{{tenant}} requests"),
+                        Query(usage_total(gw.PROMPT_TOKENS_TOTAL, TENANT), "{{tenant}} prompt"),
+                        Query(usage_total(gw.CACHED_PROMPT_TOKENS_TOTAL, TENANT), "{{tenant}} cached"),
+                        Query(usage_total(gw.COMPLETION_TOKENS_TOTAL, TENANT), "{{tenant}} completion"),
+                    ],
+                    stat=True,
                 ),
             ),
         ),
@@ -433,13 +466,11 @@ KV_TIERS = DashboardSpec(
                     "Cached GPU blocks evicted per second by kvfleet's policy: idle past the tenant's TTL, "
                     "tenant over quota, or plain LRU.",
                     [
-                        Query(
-                            or_zero(
-                                rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
-                                f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
-                                on="tenant",
-                            ),
-                            "{{tenant}} {{reason}}",
+                        event_query(
+                            rate(em.EVICTIONS, LMCACHE_TENANT, "tenant, reason"),
+                            f"sum by (tenant) ({em.TENANT_RESIDENT_BLOCKS}{{{LMCACHE_TENANT}}})",
+                            on="tenant",
+                            legend="{{tenant}} {{reason}}",
                         )
                     ],
                 ),
@@ -452,13 +483,11 @@ KV_TIERS = DashboardSpec(
                     "TTL expiries",
                     "Idle data dropped past its TTL, by tier and tenant.",
                     [
-                        Query(
-                            or_zero(
-                                rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "kv_tier, tenant"),
-                                f"sum by (kv_tier, tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
-                                on="kv_tier, tenant",
-                            ),
-                            "{{kv_tier}} {{tenant}}",
+                        event_query(
+                            rate(LMCACHE_TTL_EXPIRATIONS, LMCACHE_TENANT, "kv_tier, tenant"),
+                            f"sum by (kv_tier, tenant) ({LMCACHE_TENANT_BYTES}{{{LMCACHE_TENANT}}})",
+                            on="kv_tier, tenant",
+                            legend="{{kv_tier}} {{tenant}}",
                         )
                     ],
                 ),
@@ -466,13 +495,11 @@ KV_TIERS = DashboardSpec(
                     "Salts removed",
                     "Tenants' cache salts removed from LMCache endpoints (tenant deleted or moved).",
                     [
-                        Query(
-                            or_zero(
-                                rate(LMCACHE_SALT_REMOVALS, "", "endpoint"),
-                                f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
-                                on="endpoint",
-                            ),
-                            "{{endpoint}}",
+                        event_query(
+                            rate(LMCACHE_SALT_REMOVALS, "", "endpoint"),
+                            f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
+                            on="endpoint",
+                            legend="{{endpoint}}",
                         )
                     ],
                 ),
@@ -482,13 +509,11 @@ KV_TIERS = DashboardSpec(
                     "errors per second.",
                     [
                         Query(f"time() - {LMCACHE_SYNC_LAST_SUCCESS}", "{{endpoint}} age"),
-                        Query(
-                            or_zero(
-                                rate(LMCACHE_SYNC_ERRORS, "", "endpoint"),
-                                f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
-                                on="endpoint",
-                            ),
-                            "{{endpoint}} errors/s",
+                        event_query(
+                            rate(LMCACHE_SYNC_ERRORS, "", "endpoint"),
+                            f"sum by (endpoint) ({LMCACHE_SYNC_LAST_SUCCESS})",
+                            on="endpoint",
+                            legend="{{endpoint}} errors/s",
                         ),
                     ],
                     unit="s",
@@ -518,13 +543,11 @@ OPERATOR = DashboardSpec(
                     "Reconcile errors",
                     "Reconciles that ended in an error, per second.",
                     [
-                        Query(
-                            or_zero(
-                                rate(om.RECONCILES, 'outcome="error"', "kind"),
-                                rate(om.RECONCILES, "", "kind"),
-                                on="kind",
-                            ),
-                            "{{kind}}",
+                        event_query(
+                            rate(om.RECONCILES, 'outcome="error"', "kind"),
+                            rate(om.RECONCILES, "", "kind"),
+                            on="kind",
+                            legend="{{kind}}",
                         )
                     ],
                     unit="ops",

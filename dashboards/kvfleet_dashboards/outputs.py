@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from kvfleet_dashboards import alerts
+from kvfleet_dashboards import alerts, seriesdoc
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS, render_dashboard
 
 DASHBOARDS_DIR = PurePosixPath("dashboards")
 DASHBOARD_JSON_DIR = DASHBOARDS_DIR / "json"
 RULES_FILE = DASHBOARDS_DIR / "rules" / "kvfleet-alerts.yaml"
+SERIES_DOC = PurePosixPath("docs/dashboard-series.md")
 
 
 def dashboard_file_name(uid: str) -> str:
@@ -21,9 +22,11 @@ def dashboard_file_name(uid: str) -> str:
 
 
 def build_outputs() -> dict[PurePosixPath, str]:
-    """Every dashboard's JSON (dashboards/json/<uid without kvfleet->.json) and the alert rules."""
+    """Every dashboard's JSON (dashboards/json/<uid without kvfleet->.json), the alert rules, and the
+    table of the series each panel and alert reads (docs/dashboard-series.md)."""
     out = {
         DASHBOARD_JSON_DIR / dashboard_file_name(spec.uid): render_dashboard(spec) for spec in ALL_DASHBOARDS
     }
     out[RULES_FILE] = alerts.render_rules()
+    out[SERIES_DOC] = seriesdoc.build_series_doc()
     return out

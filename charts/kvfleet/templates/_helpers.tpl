@@ -37,6 +37,11 @@ app.kubernetes.io/component: operator
 {{- printf "%s-salt-master" (include "kvfleet.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The operator's leader-election Lease in the release namespace (one replica leads, the rest stand by). */}}
+{{- define "kvfleet.leaseName" -}}
+{{- printf "%s-leader" (include "kvfleet.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "kvfleet.image" -}}
 {{- printf "%s:%s" .repository .tag -}}
 {{- end -}}
@@ -95,6 +100,25 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
   resources: ["servicemonitors", "podmonitors"]
   verbs: ["list", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.rbac.ingress }}
+# Ingresses exposing a gateway (spec.gateway.exposure.ingress); not watched: the periodic reconcile covers
+# them.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["ingresses"]
+  verbs: ["list", "create", "patch", "delete"]
+{{- end }}
+{{- if .Values.rbac.httpRoute }}
+# Gateway API HTTPRoutes exposing a gateway (spec.gateway.exposure.httpRoute); not watched either.
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["list", "create", "patch", "delete"]
+{{- end }}
+# Engine pods: listed (by the engine label) to read each ready one's KV blocks on its metrics port, and
+# deleted (grace period 0, uid precondition) only when one was evicted from a lost node and is stuck
+# Terminating (spec.pool.nodeLoss; never a pod whose node is Ready).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "delete"]
 # Secrets: the keys Secret (a child) and the tenants' API-key Secrets, which the operator lists only with
 # the label selector kvfleet.io/tenant (RBAC cannot restrict a list by label: the selector limits what it
 # reads, not what this rule allows); get: a generated key Secret created meanwhile.
@@ -105,4 +129,13 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- end -}}
+
+{{/* The exposure kinds the operator may manage (KVFLEET_EXPOSURE_KINDS): the switches of its RBAC rules
+(with rbac.create=false, whoever grants the rights sets the same switches). */}}
+{{- define "kvfleet.exposureKinds" -}}
+{{- $kinds := list -}}
+{{- if .Values.rbac.ingress }}{{ $kinds = append $kinds "Ingress" }}{{ end -}}
+{{- if .Values.rbac.httpRoute }}{{ $kinds = append $kinds "HTTPRoute" }}{{ end -}}
+{{- join "," $kinds -}}
 {{- end -}}
