@@ -5,13 +5,16 @@
 #   hack/build-cluster.sh --force    rebuild everything
 #
 # Output: $KVFLEET_CACHE/bin (default ~/.cache/kvfleet/bin): kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, etcd, kwok, helm; $KVFLEET_CACHE/kwok-stages: kwok's stage configs copied from
+# kube-scheduler, kubectl, etcd, kwok, helm; $KVFLEET_CACHE/gateway-api: the Gateway API's standard CRDs
+# (HTTPRoute for the exposure tests); $KVFLEET_CACHE/kwok-stages: kwok's stage configs copied from
 # its module; prometheus and promtool come from Debian's `prometheus` package (apt).
 #
 # The real node (step `node`, run by hack/provision.d/30-node.sh, not by default): kubelet and kube-proxy
 # (same wrapper module and version as the control plane), pause (the pod sandbox, hack/cluster/pause),
 # coredns (hack/cluster/coredns: CoreDNS with the plugins a cluster DNS needs), kube-router (its
-# NetworkPolicy firewall), plus Debian's containerd, runc, CNI plugins, ipset and conntrack (apt).
+# NetworkPolicy firewall), prometheus-k8s and promtool-k8s (hack/cluster/prometheus: Prometheus with
+# Kubernetes service discovery, which Debian's build lacks), plus Debian's containerd, runc, CNI plugins,
+# ipset and conntrack (apt).
 #
 # Every Go binary is built through the Go module proxy from a small wrapper module under hack/cluster/.
 # The k8s.io/* staging modules that k8s.io/kubernetes replaces with ./staging paths are read from that
@@ -31,6 +34,12 @@ KWOK_VERSION=v0.8.0
 HELM_VERSION=v3.22.0
 COREDNS_VERSION=v1.15.0
 KUBE_ROUTER_VERSION=v2.1.0
+# Prometheus 3.x's Go module (v0.316.0 = Prometheus 3.6-era), built with only Kubernetes service discovery:
+# Debian's package (2.42) is built without it, and the node tier's scrape test discovers pods.
+PROMETHEUS_MODULE_VERSION=v0.316.0
+# The Gateway API release whose standard CRDs (config/crd/standard in its Go module; v1.7 needs Go 1.27) the
+# exposure tests install: they create HTTPRoutes on the real API server with the real CRD's validation.
+GATEWAY_API_VERSION=v1.6.3
 
 FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
@@ -192,6 +201,29 @@ build_kube_router() {
     github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
 }
 
+# Prometheus with Kubernetes service discovery (role: pod) for the node tier, as prometheus-k8s and
+# promtool-k8s: the plain names stay Debian's package, which every other test uses. Build tags keep every
+# other discovery plugin (cloud SDKs) out: Prometheus' plugins/ files honour remove_all_sd + enable_*_sd.
+build_prometheus_k8s() {
+  local dir=$ROOT/hack/cluster/prometheus tags=remove_all_sd,enable_kubernetes_sd
+  sync_module "$dir" github.com/prometheus/prometheus "$PROMETHEUS_MODULE_VERSION" \
+    github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool
+  local fp
+  fp=$(fingerprint "$dir" "$tags")
+  if up_to_date prometheus-k8s "$fp" prometheus-k8s promtool-k8s; then
+    log "prometheus-k8s: up to date (prometheus-k8s promtool-k8s)"
+    return
+  fi
+  log "prometheus-k8s: building prometheus and promtool (tags $tags; go build -p $JOBS)"
+  local start=$SECONDS out
+  out=$(mktemp -d)
+  (cd "$dir" && go build -p "$JOBS" -tags "$tags" -trimpath -ldflags "-s -w" -o "$out/" \
+    github.com/prometheus/prometheus/cmd/prometheus github.com/prometheus/prometheus/cmd/promtool)
+  mv "$out/prometheus" "$BIN/prometheus-k8s" && mv "$out/promtool" "$BIN/promtool-k8s" && rmdir "$out"
+  echo "$fp" > "$STAMPS/prometheus-k8s"
+  log "prometheus-k8s: done in $((SECONDS - start)) s"
+}
+
 # Debian's container runtime and network tools for the real node (containerd 1.6 + runc, CNI plugins in
 # /usr/lib/cni, ipset/conntrack/iptables for kube-proxy and kube-router).
 install_node_packages() {
@@ -202,15 +234,9 @@ install_node_packages() {
     return
   fi
   log "node packages: apt-get install ${missing[*]}"
+  "$ROOT/hack/apt-install.sh" "${missing[@]}"
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
-  local policy=/usr/sbin/policy-rc.d created=0
-  if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod +x "$policy" && created=1
-  fi
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
-  [ "$created" = 0 ] || $sudo rm -f "$policy"
   # The devcluster starts its own containerd with its own config and socket; never the system service.
   if command -v systemctl >/dev/null && systemctl is-active --quiet containerd 2>/dev/null; then
     $sudo systemctl stop containerd && $sudo systemctl disable containerd || true
@@ -230,6 +256,14 @@ build_kwok() {
   (cd "$src/kustomize/stage" && find . -name '*.yaml' -not -path '*/testdata/*' -not -name kustomization.yaml) |
     while read -r f; do install -D -m 0644 "$src/kustomize/stage/$f" "$CACHE/kwok-stages/$f"; done
   log "kwok: stage configs in $CACHE/kwok-stages ($(find "$CACHE/kwok-stages" -name '*.yaml' | wc -l) files)"
+}
+
+copy_gateway_api_crds() {
+  local src
+  src=$(module_dir "sigs.k8s.io/gateway-api@$GATEWAY_API_VERSION")
+  rm -rf "$CACHE/gateway-api" && mkdir -p "$CACHE/gateway-api"
+  install -m 0644 "$src"/config/crd/standard/gateway.networking.k8s.io_*.yaml "$CACHE/gateway-api/"
+  log "gateway-api: $GATEWAY_API_VERSION standard CRDs in $CACHE/gateway-api"
 }
 
 build_helm() {
@@ -254,23 +288,17 @@ install_prometheus() {
     return
   fi
   log "prometheus: apt-get install prometheus (Debian package)"
+  # Not started as a system service (hack/apt-install.sh): tests start their own Prometheus on a free port.
+  "$ROOT/hack/apt-install.sh" prometheus
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
-  # Keep the package from starting a system service: tests start their own Prometheus on a free port.
-  local policy=/usr/sbin/policy-rc.d created=0
-  if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod +x "$policy" && created=1
-  fi
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
-  [ "$created" = 0 ] || $sudo rm -f "$policy"
   if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus 2>/dev/null; then
     $sudo systemctl stop prometheus && $sudo systemctl disable prometheus || true
   fi
   log "prometheus: $(prometheus --version 2>&1 | head -1)"
 }
 
-steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus"}
+steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus gateway-api"}
 total_start=$SECONDS
 for step in $steps; do
   case $step in
@@ -279,12 +307,14 @@ for step in $steps; do
     kwok) build_kwok ;;
     helm) build_helm ;;
     prometheus) install_prometheus ;;
-    node) install_node_packages; build_kubelet; build_pause; build_coredns; build_kube_router ;;
+    gateway-api) copy_gateway_api_crds ;;
+    node) install_node_packages; build_kubelet; build_pause; build_coredns; build_kube_router; build_prometheus_k8s ;;
     node-packages) install_node_packages ;;
     kubelet) build_kubelet ;;
     pause) build_pause ;;
     coredns) build_coredns ;;
     kube-router) build_kube_router ;;
+    prometheus-k8s) build_prometheus_k8s ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done

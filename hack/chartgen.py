@@ -165,8 +165,10 @@ What the chart creates:
 
 - the `ModelDeployment` and `Tenant` CRDs, as templates so that `helm upgrade` upgrades them; they are kept
   when the release is uninstalled (`crds.keep`), with every object of those kinds;
-- the operator Deployment (one replica, `Recreate`, probes on kopf's `/healthz`, the `restricted` Pod
-  Security profile: non-root uid 10001, read-only root filesystem, no capabilities, RuntimeDefault seccomp);
+- the operator Deployment (two replicas: one leads through the Lease `<release>-leader`, the other stands
+  by and takes over; a rolling update hands over on SIGTERM; `/healthz` probes; the `restricted` Pod
+  Security profile: non-root uid 10001, read-only root filesystem, no capabilities, RuntimeDefault seccomp)
+  and a PodDisruptionBudget that lets drains take one operator pod at a time;
 - its ServiceAccount and least-privilege RBAC (listed below);
 - a metrics Service, and a ServiceMonitor and a PrometheusRule with kvfleet's alerts when the
   `monitoring.coreos.com/v1` API exists;
@@ -191,12 +193,18 @@ allowlist from the operator's API calls and fails on anything more):
 | policy | poddisruptionbudgets | list, watch, create, patch, delete |
 | networking.k8s.io | networkpolicies | list, watch, create, patch, delete |
 | monitoring.coreos.com | servicemonitors, podmonitors (`rbac.monitoring`) | list, create, patch, delete |
+| networking.k8s.io | ingresses (`rbac.ingress`, off by default) | list, create, patch, delete |
+| gateway.networking.k8s.io | httproutes (`rbac.httpRoute`, off by default) | list, create, patch, delete |
 | core | events | create |
 | core | secrets: `<release>-salt-master` in the release namespace | get, create, patch (that name only) |
+| coordination.k8s.io | leases: `<release>-leader`, release namespace | get, update (that name only), create |
+| core | nodes (`rbac.readNodes`; a ClusterRole) | list |
 
 By default these rules are a Role in each namespace of `operator.watchNamespaces` (the release namespace
-when the list is empty; the namespaces must exist before the install), and the operator holds **no
-cluster-wide right at all**. `operator.watchAllNamespaces=true` grants them cluster-wide through a
+when the list is empty; the namespaces must exist before the install), and the operator's only
+cluster-wide right is **listing nodes** (`rbac.readNodes`, read only: while an engine pool waits for
+replicas it says which label, taint or GPU resource no node has, condition `NoMatchingNodes`; off, the
+check is skipped). `operator.watchAllNamespaces=true` grants them cluster-wide through a
 ClusterRole instead, which includes listing Secrets in every namespace. The operator itself lists only
 Secrets labelled `kvfleet.io/tenant` (the tenants' API-key Secrets) and watches only those labelled
 `app.kubernetes.io/managed-by=kvfleet-operator`, by server-side label selectors; RBAC cannot express a

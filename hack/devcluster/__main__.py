@@ -1,10 +1,11 @@
-"""``python -m devcluster up|down|status|env|bench`` (run with ``hack`` on ``PYTHONPATH``).
+"""``python -m devcluster up|down|status|env|bench|preload-images`` (run with ``hack`` on ``PYTHONPATH``).
 
 ``up [--tier api|full|node]`` starts a control plane whose processes outlive the command, records it in
 ``$KVFLEET_CACHE/devcluster/state.json`` and copies its admin kubeconfig to
 ``$KVFLEET_CACHE/devcluster/kubeconfig``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
 (``eval "$(python -m devcluster env)"``); ``status`` says what runs; ``down`` kills every process group
-and removes the cluster's folder; ``bench`` times repeated starts.
+and removes the cluster's folder; ``bench`` times repeated starts; ``preload-images`` imports the images
+``make images`` built last into the real node's containerd store before the node first starts (as root).
 Exit codes: 0 success, 1 failure, 2 bad usage.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from .binaries import BUILD_COMMAND, bin_dir, cache_dir, missing_binaries
 from .binaries import FULL_TIER_BINARIES as FULL
 from .cluster import ControlPlane, start_control_plane
-from .node import missing_node_components
+from .node import missing_node_components, preload_images
 
 
 def _state_file() -> Path:
@@ -71,6 +72,17 @@ def _up(args: argparse.Namespace) -> int:
     print(f"up ({plane.tier}; {timings}): {plane.server}")
     print(f"kubeconfig: {stable_kubeconfig()}")
     print('eval "$(PYTHONPATH=hack .venv/bin/python -m devcluster env)" to use kubectl and helm')
+    return 0
+
+
+def _preload_images(_: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="preload-") as workdir:
+        try:
+            seconds = preload_images(Path(workdir))
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            print(f"preload-images: {exc}", file=sys.stderr)
+            return 1
+    print("preload-images: " + ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items()))
     return 0
 
 
@@ -136,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("down", help="stop it and remove its folder").set_defaults(func=_down)
     sub.add_parser("status", help="what runs (exit 1 when not ready)").set_defaults(func=_status)
     sub.add_parser("env", help="shell exports for kubectl/helm").set_defaults(func=_env)
+    sub.add_parser(
+        "preload-images", help="import the images make images built into the real node's containerd (root)"
+    ).set_defaults(func=_preload_images)
     bench = sub.add_parser("bench", help="time --runs starts of a --tier plane (median)")
     bench.add_argument("--tier", choices=["api", "full", "node"], default="api")
     bench.add_argument("--runs", type=int, default=5)

@@ -67,9 +67,12 @@ ADMISSION_PLUGINS = (
 )
 
 #: Controllers kube-controller-manager runs. The node-lifecycle controller removes the
-#: ``node.kubernetes.io/not-ready`` taint admission puts on every new node once kwok reports it Ready.
+#: ``node.kubernetes.io/not-ready`` taint admission puts on every new node once kwok reports it Ready, and
+#: taints a node that stopped reporting; the taint-eviction controller (split from it in Kubernetes 1.29)
+#: evicts the pods that do not tolerate such a NoExecute taint, as in any cluster.
 CONTROLLERS = (
     "node-lifecycle-controller",
+    "taint-eviction-controller",
     "garbage-collector-controller",
     "deployment-controller",
     "replicaset-controller",
@@ -95,6 +98,19 @@ CONTROLLERS = (
     "persistentvolumeclaim-protection-controller",
 )
 
+#: The API server's audit policy: every write (whoever sends it) at Metadata level, one event per request
+#: (when the response is complete), and nothing else: reads and watches would dwarf the writes. Tests and
+#: benchmarks count writes by user and User-Agent from it (``ControlPlane.audit_log``).
+AUDIT_POLICY: dict[str, Any] = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived", "ResponseStarted", "Panic"],
+    "rules": [
+        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
+        {"level": "None"},
+    ],
+}
+
 SERVICE_CIDR = "10.0.0.0/24"
 POD_CIDR = "10.244.0.0/16"
 
@@ -118,6 +134,11 @@ class ControlPlane:
     processes: list[ManagedProcess] = field(default_factory=list)
     started_in: dict[str, float] = field(default_factory=dict)
     node: RealNode | None = None
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines, one per write; see :data:`AUDIT_POLICY`)."""
+        return self.workdir / "apiserver" / "audit.log"
 
     # --- clients --------------------------------------------------------------------------------------
 
@@ -377,6 +398,7 @@ def build_apiserver_args(
         f"--service-account-signing-key-file={pki.sa_key}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--authorization-mode=Node,RBAC",
+        *build_audit_args(cert_dir),
         f"--enable-admission-plugins={','.join(ADMISSION_PLUGINS)}",
         "--allow-privileged=true",
         "--profiling=false",
@@ -384,7 +406,44 @@ def build_apiserver_args(
     ]
 
 
-def build_controller_manager_args(kcm: Path, pki: Pki, kubeconfig: Path, port: int) -> list[str]:
+def build_audit_args(directory: Path) -> list[str]:
+    """Flags for an audit log of every write in ``directory``/audit.log (writes the policy file there).
+
+    Blocking mode: the event is written before the API server answers, so a test that reads the log after
+    its last call has returned sees every event of that call."""
+    directory.mkdir(parents=True, exist_ok=True)
+    policy = directory / "audit-policy.yaml"
+    policy.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+    return [
+        f"--audit-policy-file={policy}",
+        f"--audit-log-path={directory / 'audit.log'}",
+        "--audit-log-format=json",
+        "--audit-log-mode=blocking",
+        "--audit-log-maxsize=0",  # never rotated: a test cluster lives minutes
+    ]
+
+
+#: How long kube-controller-manager waits for a node's heartbeat before calling it NotReady (see below).
+NODE_MONITOR_GRACE_PERIOD_S = 900
+
+
+def kwok_node_lease_seconds(node_monitor_grace_period_s: int) -> int | None:
+    """kwok's node Lease duration for a grace period: its default (40 s, renewed every 10 s) with the usual
+    900 s; with a short grace period a Lease of a quarter of it (renewed every sixteenth), so a renewal a
+    loaded machine delays by seconds does not make a healthy node NotReady."""
+    if node_monitor_grace_period_s >= NODE_MONITOR_GRACE_PERIOD_S:
+        return None
+    return max(4, node_monitor_grace_period_s // 4)
+
+
+def build_controller_manager_args(
+    kcm: Path,
+    pki: Pki,
+    kubeconfig: Path,
+    port: int,
+    node_monitor_grace_period_s: int = NODE_MONITOR_GRACE_PERIOD_S,
+) -> list[str]:
+    """``node_monitor_grace_period_s``: a test of a lost node passes a short one on its own plane."""
     return [
         str(kcm),
         f"--kubeconfig={kubeconfig}",
@@ -401,7 +460,7 @@ def build_controller_manager_args(kcm: Path, pki: Pki, kubeconfig: Path, port: i
         # calling a fake node unreachable. A node called unreachable gets its pods marked not Ready, and
         # kwok never marks them Ready again (its pod-ready stage only runs once per pod): at 120 s this
         # left gateway pods not Ready in some full CI runs.
-        "--node-monitor-grace-period=900s",
+        f"--node-monitor-grace-period={node_monitor_grace_period_s}s",
         "--leader-elect=false",
         f"--cluster-cidr={POD_CIDR}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -422,16 +481,27 @@ def build_scheduler_args(scheduler: Path, kubeconfig: Path, port: int) -> list[s
     ]
 
 
-def build_kwok_args(kwok: Path, kubeconfig: Path, port: int, stages: list[Path]) -> list[str]:
+def build_kwok_args(
+    kwok: Path,
+    kubeconfig: Path,
+    port: int,
+    stages: list[Path],
+    annotation_value: str = KWOK_NODE_ANNOTATION_VALUE,
+    node_lease_s: int | None = None,
+) -> list[str]:
+    """``annotation_value``: the nodes it manages (another value: a second kwok, as one node's kubelet);
+    ``node_lease_s``: the nodes' Lease duration (kwok renews at a quarter of it; ``None``: kwok's 40 s)."""
+    lease = [] if node_lease_s is None else [f"--node-lease-duration-seconds={node_lease_s}"]
     return [
         str(kwok),
         f"--kubeconfig={kubeconfig}",
         # Manage only the nodes we create (annotated), never a real node that might join.
         "--manage-all-nodes=false",
-        f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_ANNOTATION_VALUE}",
+        f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={annotation_value}",
         f"--server-address=127.0.0.1:{port}",
         f"--cidr={POD_CIDR.replace('.0/16', '.1/16')}",
         "--node-ip=127.0.0.1",
+        *lease,
         *[f"--config={stage}" for stage in stages],
     ]
 
@@ -454,6 +524,7 @@ def start_control_plane(
     layout: NodeLayout = DEFAULT_LAYOUT,
     workdir: Path | None = None,
     timeout: float = 120.0,
+    node_monitor_grace_period_s: int = NODE_MONITOR_GRACE_PERIOD_S,
 ) -> ControlPlane:
     """Start a ``tier`` control plane and wait until it is ready; stop everything if that fails.
 
@@ -497,7 +568,7 @@ def start_control_plane(
         wait_until(plane.is_ready, timeout=timeout, what="kube-apiserver /readyz", watch=plane.processes)
         plane.started_in["api"] = time.monotonic() - started
         if tier in ("full", "node"):
-            extend_to_full(plane, timeout=timeout)
+            extend_to_full(plane, timeout=timeout, node_monitor_grace_period_s=node_monitor_grace_period_s)
         if tier == "node":
             plane.node = start_real_node(plane, node_ip=address, service_cidr=SERVICE_CIDR, timeout=timeout)
             plane.tier = "node"
@@ -508,7 +579,12 @@ def start_control_plane(
     return plane
 
 
-def extend_to_full(plane: ControlPlane, *, timeout: float = 120.0) -> None:
+def extend_to_full(
+    plane: ControlPlane,
+    *,
+    timeout: float = 120.0,
+    node_monitor_grace_period_s: int = NODE_MONITOR_GRACE_PERIOD_S,
+) -> None:
     """Add controller manager, scheduler, kwok and the layout's nodes to a running ``api`` plane."""
     if plane.tier == "full":
         return
@@ -517,7 +593,7 @@ def extend_to_full(plane: ControlPlane, *, timeout: float = 120.0) -> None:
     logs = plane.workdir / "logs"
     kcm_port, sched_port, kwok_port = find_free_port(), find_free_port(), find_free_port()
     kcm_args = build_controller_manager_args(
-        paths["kube-controller-manager"], plane.pki, plane.kubeconfig, kcm_port
+        paths["kube-controller-manager"], plane.pki, plane.kubeconfig, kcm_port, node_monitor_grace_period_s
     )
     kcm = start_process("kube-controller-manager", kcm_args, logs)
     plane.processes.append(kcm)
@@ -530,8 +606,11 @@ def extend_to_full(plane: ControlPlane, *, timeout: float = 120.0) -> None:
         if not stages:
             where = binaries.kwok_stage_dir()
             raise FileNotFoundError(f"no kwok stage configs in {where}; run {binaries.BUILD_COMMAND}")
+        lease = kwok_node_lease_seconds(node_monitor_grace_period_s)
         kwok = start_process(
-            "kwok", build_kwok_args(paths["kwok"], plane.kubeconfig, kwok_port, stages), logs
+            "kwok",
+            build_kwok_args(paths["kwok"], plane.kubeconfig, kwok_port, stages, node_lease_s=lease),
+            logs,
         )
         plane.processes.append(kwok)
     for node in plane.layout.nodes:

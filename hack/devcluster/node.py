@@ -438,11 +438,27 @@ def image_digest(ref: str) -> str | None:
     return None
 
 
-def import_podman_image(refs: list[str]) -> None:
+def image_config_digest(manifest_digest: str) -> str | None:
+    """The config digest (what the kubelet reports as a container's ``imageID``) of the image whose
+    manifest, or index of manifests, containerd stores under ``manifest_digest``."""
+    out = ctr("content", "get", manifest_digest, check=False)
+    if out.returncode != 0:
+        return None
+    doc = json.loads(out.stdout)
+    if "config" in doc:
+        return str(doc["config"]["digest"])
+    manifests = doc.get("manifests") or []
+    return image_config_digest(str(manifests[0]["digest"])) if len(manifests) == 1 else None
+
+
+def import_podman_image(refs: list[str], image_id: str | None = None) -> None:
     """``podman save`` one image under all of ``refs`` (the first: its content tag) into
-    ``ctr -n k8s.io images import``, unless containerd has every ref on one image already."""
+    ``ctr -n k8s.io images import``, unless containerd has every ref on one image already, and that image
+    is ``image_id`` (podman's image ID, when given): a content tag names the inputs, not the build, so an
+    image rebuilt from the same inputs (a new podman store, say) is imported again."""
     digests = {ref: image_digest(ref) for ref in refs}
-    if None not in digests.values() and len(set(digests.values())) == 1:
+    manifest = digests[refs[0]] if len(set(digests.values())) == 1 else None
+    if manifest is not None and (image_id is None or image_config_digest(manifest) == f"sha256:{image_id}"):
         return
     # `ctr images import` leaves an existing name where it points: drop the names first, so the version tag
     # (the chart's default) moves to this build.
@@ -474,6 +490,62 @@ def import_podman_image(refs: list[str]) -> None:
         )
 
 
+def preload_images(workdir: Path, timeout: float = 60.0) -> dict[str, float]:
+    """Import the images ``hack/images.sh`` built last into the node's containerd store ahead of the node's
+    first start, so that start (in the tests) does not pay for it: ``make test``'s fetch lane runs this
+    while the build lane still compiles. Through the node's containerd when one answers already; else a
+    containerd of the node's own configuration runs for the import only. Seconds per image; an image
+    already there costs nothing."""
+    missing = [tool for tool in ("containerd", "ctr", "podman") if shutil.which(tool) is None]
+    if missing:
+        raise FileNotFoundError(f"preloading the node's images needs: {', '.join(missing)}")
+    images = _built_images()
+    if not images:
+        raise FileNotFoundError(f"no images built yet ({binaries.cache_dir() / 'images' / 'images.json'})")
+    containerd: ManagedProcess | None = None
+    if ctr("version", check=False).returncode != 0:
+        containerd = _start_containerd(node_cache_dir() / "containerd", workdir, workdir / "logs", timeout)
+    try:
+        return _import_built_images(images)
+    finally:
+        if containerd is not None:
+            containerd.stop()
+
+
+def _start_containerd(root: Path, workdir: Path, logs: Path, timeout: float = 60.0) -> ManagedProcess:
+    """The node's containerd (store ``root``, its config and CNI network in ``workdir``), answering."""
+    root.mkdir(parents=True, exist_ok=True)
+    cni_dir = workdir / "cni"
+    cni_dir.mkdir(parents=True, exist_ok=True)
+    (cni_dir / "10-kvfleet.conflist").write_text(
+        json.dumps(build_cni_conflist(workdir / "cni-ipam"), indent=2)
+    )
+    config = workdir / "containerd.toml"
+    config.write_text(build_containerd_config(root, CONTAINERD_STATE, cni_dir))
+    containerd = start_process("containerd", ["containerd", f"--config={config}"], logs)
+    try:
+        wait_until(
+            lambda: ctr("version", check=False).returncode == 0,
+            timeout=timeout,
+            what="containerd",
+            watch=[containerd],
+        )
+    except BaseException:
+        containerd.stop()  # the caller never got it to stop
+        raise
+    return containerd
+
+
+def _import_built_images(images: Mapping[str, tuple[list[str], str | None]]) -> dict[str, float]:
+    """Import each of ``images`` (``_built_images()``) unless containerd has that build; seconds each."""
+    seconds: dict[str, float] = {}
+    for name, (refs, image_id) in images.items():
+        started = time.monotonic()
+        import_podman_image(refs, image_id)
+        seconds[name] = time.monotonic() - started
+    return seconds
+
+
 def ensure_pause_image(workdir: Path) -> None:
     """Build the sandbox image from the cached ``pause`` binary (``FROM scratch``) and import it."""
     if image_present(PAUSE_IMAGE):
@@ -490,11 +562,18 @@ def ensure_pause_image(workdir: Path) -> None:
 
 def kvfleet_images() -> dict[str, list[str]]:
     """What ``hack/images.sh`` built last (``$KVFLEET_CACHE/images/images.json``): image -> its refs."""
+    return {name: refs for name, (refs, _) in _built_images().items()}
+
+
+def _built_images() -> dict[str, tuple[list[str], str | None]]:
+    """``images.json``: image -> (its refs, podman's image ID when recorded)."""
     path = binaries.cache_dir() / "images" / "images.json"
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
-    return {name: [v["ref"], v["version_ref"]] for name, v in data.items() if "version_ref" in v}
+    return {
+        name: ([v["ref"], v["version_ref"]], v.get("id")) for name, v in data.items() if "version_ref" in v
+    }
 
 
 def _http_ok(url: str) -> bool:
@@ -543,23 +622,11 @@ def _start(plane: Any, node: RealNode, *, service_cidr: str, timeout: float, ima
     pki: Pki = plane.pki
 
     # containerd
-    node.containerd_root.mkdir(parents=True, exist_ok=True)
-    cni_dir = workdir / "cni"
-    cni_dir.mkdir(exist_ok=True)
-    (cni_dir / "10-kvfleet.conflist").write_text(
-        json.dumps(build_cni_conflist(workdir / "cni-ipam"), indent=2)
-    )
-    config = workdir / "containerd.toml"
-    config.write_text(build_containerd_config(node.containerd_root, CONTAINERD_STATE, cni_dir))
-    containerd = start_process("containerd", ["containerd", f"--config={config}"], logs)
+    containerd = _start_containerd(node.containerd_root, workdir, logs)
     plane.processes.append(containerd)
-    wait_until(
-        lambda: ctr("version", check=False).returncode == 0, timeout=60, what="containerd", watch=[containerd]
-    )
     ensure_pause_image(workdir)
     if images:
-        for refs in kvfleet_images().values():
-            import_podman_image(refs)
+        _import_built_images(_built_images())
     node.started_in["containerd+images"] = time.monotonic() - started
 
     # kubelet

@@ -75,15 +75,17 @@ def start_prometheus(
     workdir: Path | None = None,
     rule_files: Mapping[str, str] | None = None,
     timeout: float = 60.0,
+    binary_names: tuple[str, str] = ("prometheus", "promtool"),
 ) -> PrometheusServer:
     """Start Prometheus with ``config`` (a dict or YAML text) on 127.0.0.1:<free port>.
 
     ``rule_files`` maps file names to YAML text written next to the config (refer to them by name in
     ``rule_files:`` of the config). Raises ``FileNotFoundError`` when prometheus/promtool are missing and
-    ``subprocess.CalledProcessError`` when ``promtool check config`` rejects the config.
+    ``subprocess.CalledProcessError`` when ``promtool check config`` rejects the config. ``binary_names``:
+    the (prometheus, promtool) pair to run, e.g. the node tier's build with Kubernetes service discovery.
     """
-    prometheus = binaries.require_binary("prometheus")
-    promtool = binaries.require_binary("promtool")
+    prometheus = binaries.require_binary(binary_names[0])
+    promtool = binaries.require_binary(binary_names[1])
     root = workdir or Path(tempfile.mkdtemp(prefix="kvfleet-prometheus-"))
     text = config if isinstance(config, str) else yaml.safe_dump(dict(config), sort_keys=False)
     config_path = root / "prometheus.yml"

