@@ -9,13 +9,14 @@ Fixtures:
 
 * ``tiny_model`` (session) -> ``Path``: the tiny Llama (built on first use if the engine is installed).
 * ``lmcache_factory`` (session) -> ``start(*, cpu_size_gb=0.25, nvme=True, chunk_size=256,
-  extra_env=None) -> LMCacheServer``: one ``lmcache server`` per call, through kvfleet's wrapper and the
-  launcher's ``build_lmcache_args`` (L1 CPU with LMCache's LRU, or governed per tenant when ``extra_env``
-  holds ``build_plugin_env``'s variables; optional ``fs`` L2 "NVMe" tier with ``IsolatedLRU`` per-salt
-  quotas). Servers are stopped at session end, or earlier with ``server.stop()``; the ``/dev/shm`` files
-  LMCache leaves behind are removed.
+  extra_env=None, shared_port=None) -> LMCacheServer``: one ``lmcache server`` per call, through kvfleet's
+  wrapper and the launcher's ``build_lmcache_args`` (L1 CPU with LMCache's LRU, or governed per tenant
+  when ``extra_env`` holds ``build_plugin_env``'s variables; optional ``fs`` L2 "NVMe" tier with
+  ``IsolatedLRU`` per-salt quotas; with ``shared_port`` also the ``resp`` L2 adapter to a shared KV tier
+  on that loopback port). Servers are stopped at session end, or earlier with ``server.stop()``; the
+  ``/dev/shm`` files LMCache leaves behind are removed.
 * ``vllm_factory`` (session) -> ``start(*, num_gpu_blocks_override=None, max_model_len=None,
-  kv_cache_gib=1.0, lmcache=None, enforce_eager=True, extra_args=(), extra_env=None,
+  kv_cache_gib=1, lmcache=None, enforce_eager=True, extra_args=(), extra_env=None,
   served_model_name="tiny") -> VllmServer``: one vLLM OpenAI server per call on a free loopback port
   (``--block-size 32 --enable-prefix-caching --enable-prompt-tokens-details --scheduling-policy
   priority``), with its own ``VLLM_CACHE_ROOT``/``HF_HOME``/``TMPDIR``; ``lmcache=<LMCacheServer>``
@@ -35,6 +36,7 @@ summary ("engine startup times"). ``KVFLEET_ENGINE_TIMEOUT`` (seconds, default 4
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -243,8 +245,15 @@ def engine_state_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+#: Numbers engine work folders across factories (each test module gets its own factories).
+_ENGINE_SEQ = itertools.count()
+
+
+@pytest.fixture(scope="module")
 def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheServer]]:
+    """Starts LMCache servers for one test module and stops them when it ends: engines that outlive their
+    module add up (several vLLM-CPU processes of ~2.5 GiB each) and starve the next module's on a 24 GiB
+    machine."""
     require_engine()
     started: list[LMCacheServer] = []
 
@@ -254,8 +263,9 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
         nvme: bool = True,
         chunk_size: int = DEFAULT_LMCACHE_CHUNK_TOKENS,
         extra_env: Mapping[str, str] | None = None,
+        shared_port: int | None = None,
     ) -> LMCacheServer:
-        n = len(started)
+        n = next(_ENGINE_SEQ)
         work = engine_state_dir / f"lmcache-{n}"
         nvme_dir = work / "nvme" if nvme else None
         if nvme_dir is not None:
@@ -267,6 +277,8 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
             cpu_bytes=round(cpu_size_gb * GIB),
             nvme_path=str(nvme_dir) if nvme_dir else None,
             chunk_size=chunk_size,
+            shared_host="127.0.0.1" if shared_port is not None else None,
+            **({"shared_port": shared_port} if shared_port is not None else {}),
         )
         env = {**os.environ, "TMPDIR": str(work), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         argv = build_lmcache_args(settings, "127.0.0.1", sys.executable)
@@ -285,25 +297,30 @@ def lmcache_factory(engine_state_dir: Path) -> Iterator[Callable[..., LMCacheSer
     remove_stale_lmcache_shm()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_factory(
     tiny_model: Path, engine_state_dir: Path, lmcache_factory: Callable[..., LMCacheServer]
 ) -> Iterator[Callable[..., VllmServer]]:
+    """Starts vLLM-CPU servers for one test module and stops them when it ends (see lmcache_factory)."""
     # Depends on lmcache_factory only for teardown order: vLLM servers stop before their LMCache.
+    yield from _vllm_starter(tiny_model, engine_state_dir)
+
+
+def _vllm_starter(tiny_model: Path, engine_state_dir: Path) -> Iterator[Callable[..., VllmServer]]:
     started: list[VllmServer] = []
 
     def start(
         *,
         num_gpu_blocks_override: int | None = None,
         max_model_len: int | None = None,
-        kv_cache_gib: float = 1.0,
+        kv_cache_gib: int = 1,
         lmcache: LMCacheServer | None = None,
         enforce_eager: bool = True,
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         served_model_name: str = "tiny",
     ) -> VllmServer:
-        n = len(started)
+        n = next(_ENGINE_SEQ)
         work = engine_state_dir / f"vllm-{n}"
         work.mkdir(parents=True)
         args = [*extra_args, *(["--enforce-eager"] if enforce_eager else [])]
@@ -345,8 +362,10 @@ def vllm_factory(
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_factory: Callable[..., VllmServer]) -> VllmServer:
-    return vllm_factory()
+def vllm_server(tiny_model: Path, engine_state_dir: Path) -> Iterator[VllmServer]:
+    """One plain vLLM-CPU server shared by every module that only needs "an engine" (one start, ~70 s)."""
+    for start in _vllm_starter(tiny_model, engine_state_dir):
+        yield start()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

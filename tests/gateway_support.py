@@ -220,6 +220,7 @@ class TenantRow:
     rate_limits: RateLimits = field(default_factory=RateLimits)
     hbm_burst_blocks: int = 0
     keys: int = 1
+    fair_share_weight: float = 1.0
 
 
 def build_table(tenants: list[TenantRow], pools: dict[str, list[str]], block_size: int = 16) -> TenantTable:
@@ -236,6 +237,7 @@ def build_table(tenants: list[TenantRow], pools: dict[str, list[str]], block_siz
             models=list(t.models),
             quota=KVQuota(hbm_blocks=0, hbm_burst_blocks=t.hbm_burst_blocks),
             rate_limits=t.rate_limits,
+            fair_share_weight=t.fair_share_weight,
         )
     return TenantTable(
         model_deployment="md",

@@ -184,7 +184,21 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         "URI scheme not supported",
         {"spec.model.source": {"uri": "ftp://models/llama"}},
         "spec.model.source.uri",
-        S,
+        C,
+    ),
+    _md(
+        "md-uri-https",
+        "https:// model URI (vLLM streams only s3:// and gs://)",
+        {"spec.model.source": {"uri": "https://example.com/llama"}},
+        "spec.model.source.uri",
+        C,
+    ),
+    _md(
+        "md-cache-claim-without-hf",
+        "a model cache claim for a source that is read in place",
+        {"spec.model.source": {"uri": "s3://models/llama", "cacheClaimName": "cache"}},
+        "spec.model.source.cacheClaimName",
+        C,
     ),
     _md(
         "md-bad-pvc-name",
@@ -193,7 +207,22 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         "spec.model.source.pvc.claimName",
         S,
     ),
-    _md("md-arch-two-ways", "preset and fromConfig together", {f"{_ARCH}.fromConfig": True}, _ARCH, C),
+    _md(
+        "md-arch-from-config-removed",
+        "fromConfig (removed from the API) next to a preset: an unknown field",
+        {f"{_ARCH}.fromConfig": True},
+        f"{_ARCH}.fromConfig",
+        S,
+        strict_only=True,
+    ),
+    _md(
+        "md-arch-from-config-alone",
+        "fromConfig alone: pruned without strict validation, which leaves no architecture (the message "
+        "says fromConfig is gone and what replaces it)",
+        {_ARCH: {"fromConfig": True}},
+        _ARCH,
+        C,
+    ),
     _md("md-arch-none", "no architecture at all", {_ARCH: {}}, _ARCH, C),
     _md("md-arch-incomplete", "explicit architecture without heads", {_ARCH: {"numLayers": 32}}, _ARCH, C),
     _md("md-arch-unknown-preset", "unknown preset", {f"{_ARCH}.preset": "gpt-5"}, f"{_ARCH}.preset", S),
@@ -424,6 +453,267 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         "a shared pool tolerating a dedicated GPU group's taint",
         {"spec.pool.tolerations": [{"key": "kvfleet.io/gpu-group", "operator": "Exists"}]},
         "spec.pool.tolerations",
+        C,
+    ),
+    _md(
+        "md-shared-tier-without-size",
+        "an enabled shared KV tier of size 0 (a tier that holds nothing)",
+        {"spec.kvCache.shared": {"enabled": True, "size": "0Gi"}},
+        "spec.kvCache.shared.size",
+        C,
+    ),
+    _md(
+        "md-cpu-kv-space-not-whole-gib",
+        "cpuKvCacheSpace that is not a whole number of GiB (vLLM reads an integer)",
+        {
+            "spec.pool.gpusPerReplica": 0,
+            "spec.engine.tensorParallelSize": 1,
+            "spec.pool.cpuKvCacheSpace": "1536Mi",
+        },
+        "spec.pool.cpuKvCacheSpace",
+        S,
+    ),
+    _md(
+        "md-bad-gpu-resource",
+        "GPU resource that is not an extended resource name",
+        {"spec.pool.gpuResource": "gpu"},
+        "spec.pool.gpuResource",
+        S,
+    ),
+    _md(
+        "md-exposure-service-type",
+        "gateway Service type that Kubernetes does not have",
+        {"spec.gateway.exposure": {"service": {"type": "External"}}},
+        "spec.gateway.exposure.service.type",
+        S,
+    ),
+    _md(
+        "md-exposure-ingress-and-route",
+        "both an Ingress and an HTTPRoute to the gateway",
+        {
+            "spec.gateway.exposure": {
+                "ingress": {"host": "llm.example.com"},
+                "httpRoute": {"parentRefs": [{"name": "edge"}], "hostnames": ["llm.example.com"]},
+            }
+        },
+        "spec.gateway.exposure.httpRoute",
+        C,
+    ),
+    _md(
+        "md-exposure-tls-without-secret",
+        "Ingress TLS that names no Secret",
+        {"spec.gateway.exposure": {"ingress": {"host": "llm.example.com", "tls": {}}}},
+        "spec.gateway.exposure.ingress.tls.secretName",
+        C,
+    ),
+    _md(
+        "md-exposure-host-with-scheme",
+        "Ingress host written as a URL",
+        {"spec.gateway.exposure": {"ingress": {"host": "https://llm.example.com"}}},
+        "spec.gateway.exposure.ingress.host",
+        C,
+    ),
+    _md(
+        "md-exposure-host-ip",
+        "Ingress host that is an IP address",
+        {"spec.gateway.exposure": {"ingress": {"host": "10.0.0.7"}}},
+        "spec.gateway.exposure.ingress.host",
+        C,
+    ),
+    _md(
+        "md-exposure-wildcard-hostname",
+        "HTTPRoute wildcard hostname (status.endpoint needs a name clients can call)",
+        {
+            "spec.gateway.exposure": {
+                "httpRoute": {"parentRefs": [{"name": "edge"}], "hostnames": ["*.example.com"]}
+            }
+        },
+        "spec.gateway.exposure.httpRoute.hostnames",
+        C,
+    ),
+    _md(
+        "md-exposure-route-without-parent",
+        "HTTPRoute attached to no Gateway",
+        {"spec.gateway.exposure": {"httpRoute": {"parentRefs": [], "hostnames": ["llm.example.com"]}}},
+        "spec.gateway.exposure.httpRoute.parentRefs",
+        S,
+    ),
+    _md(
+        "md-fair-queuing-order",
+        "a fair-queuing order the gateway does not have",
+        {"spec.gateway.fairQueuing": "wfq"},
+        "spec.gateway.fairQueuing",
+        S,
+    ),
+    _md(
+        "md-engine-in-flight-negative",
+        "a negative number of requests in flight per engine replica",
+        {"spec.gateway.engineInFlightPerReplica": -1},
+        "spec.gateway.engineInFlightPerReplica",
+        S,
+    ),
+    _md(
+        "md-engine-in-flight-below-gateways",
+        "fewer requests in flight per engine replica than gateway replicas (one would get none)",
+        {"spec.gateway.replicas": 3, "spec.gateway.engineInFlightPerReplica": 2},
+        "spec.gateway.engineInFlightPerReplica",
+        C,
+    ),
+    _md(
+        "md-queue-timeout-zero",
+        "a queue timeout of zero (every held request refused at once)",
+        {"spec.gateway.queueTimeout": "0s"},
+        "spec.gateway.queueTimeout",
+        C,
+    ),
+    _md(
+        "md-queue-timeout-too-long",
+        "a queue timeout above 10m",
+        {"spec.gateway.queueTimeout": "1h"},
+        "spec.gateway.queueTimeout",
+        C,
+    ),
+    _md(
+        "md-queue-timeout-not-a-duration",
+        "a queue timeout without a unit",
+        {"spec.gateway.queueTimeout": "10"},
+        "spec.gateway.queueTimeout",
+        S,
+    ),
+    _md(
+        "md-template-gpu-resource",
+        "pod template resources naming the GPU resource",
+        {"spec.pool.podTemplate": {"resources": {"limits": {"nvidia.com/gpu": "4"}}}},
+        "spec.pool.podTemplate.resources",
+        C,
+    ),
+    _md(
+        "md-template-security-context",
+        "pod template securityContext",
+        {"spec.pool.podTemplate": {"securityContext": {"runAsUser": 0}}},
+        "spec.pool.podTemplate.securityContext",
+        C,
+    ),
+    _md(
+        "md-template-host-network",
+        "pod template hostNetwork",
+        {"spec.pool.podTemplate": {"hostNetwork": True}},
+        "spec.pool.podTemplate.hostNetwork",
+        C,
+    ),
+    _md(
+        "md-template-host-pid",
+        "pod template hostPID",
+        {"spec.pool.podTemplate": {"hostPID": True}},
+        "spec.pool.podTemplate.hostPID",
+        C,
+    ),
+    _md(
+        "md-template-service-account",
+        "pod template serviceAccountName",
+        {"spec.pool.podTemplate": {"serviceAccountName": "admin"}},
+        "spec.pool.podTemplate.serviceAccountName",
+        C,
+    ),
+    _md(
+        "md-template-automount-token",
+        "pod template automountServiceAccountToken",
+        {"spec.pool.podTemplate": {"automountServiceAccountToken": True}},
+        "spec.pool.podTemplate.automountServiceAccountToken",
+        C,
+    ),
+    _md(
+        "md-template-volumes",
+        "pod template volumes (could mount another tenant's keys)",
+        {"spec.pool.podTemplate": {"volumes": [{"name": "k", "secret": {"secretName": "other-keys"}}]}},
+        "spec.pool.podTemplate.volumes",
+        C,
+    ),
+    _md(
+        "md-template-node-name",
+        "pod template nodeName (skips the scheduler and the groups' taints)",
+        {"spec.pool.podTemplate": {"nodeName": "gpu-node-1"}},
+        "spec.pool.podTemplate.nodeName",
+        C,
+    ),
+    _md(
+        "md-template-kvfleet-label",
+        "pod template label the NetworkPolicies select on",
+        {"spec.pool.podTemplate": {"labels": {"kvfleet.io/pool": "other"}}},
+        "spec.pool.podTemplate.labels",
+        C,
+    ),
+    _md(
+        "md-template-app-label",
+        "pod template app.kubernetes.io label (Services select on it)",
+        {"spec.pool.podTemplate": {"labels": {"app.kubernetes.io/component": "gateway"}}},
+        "spec.pool.podTemplate.labels",
+        C,
+    ),
+    _md(
+        "md-template-apparmor-annotation",
+        "pod template AppArmor annotation",
+        {
+            "spec.pool.podTemplate": {
+                "annotations": {"container.apparmor.security.beta.kubernetes.io/engine": "unconfined"}
+            }
+        },
+        "spec.pool.podTemplate.annotations",
+        C,
+    ),
+    _md(
+        "md-template-plugin-env",
+        "pod template env turning off the tenant-aware block pool",
+        {"spec.pool.podTemplate": {"env": [{"name": "VLLM_PLUGINS", "value": ""}]}},
+        "spec.pool.podTemplate.env",
+        C,
+    ),
+    _md(
+        "md-template-kvfleet-env",
+        "pod template env replacing the tenant table",
+        {"spec.pool.podTemplate": {"env": [{"name": "KVFLEET_TENANT_TABLE", "value": "/tmp/t.json"}]}},
+        "spec.pool.podTemplate.env",
+        C,
+    ),
+    _md(
+        "md-template-env-value-and-from",
+        "pod template env with both value and valueFrom",
+        {
+            "spec.pool.podTemplate": {
+                "env": [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+            }
+        },
+        "spec.pool.podTemplate.env",
+        C,
+    ),
+    _md(
+        "md-template-env-from-two-sources",
+        "pod template envFrom naming a ConfigMap and a Secret in one entry",
+        {"spec.pool.podTemplate": {"envFrom": [{"configMapRef": {"name": "a"}, "secretRef": {"name": "b"}}]}},
+        "spec.pool.podTemplate.envFrom",
+        C,
+    ),
+    _md(
+        "md-template-affinity-gpu-group",
+        "pod template node affinity onto a dedicated GPU group",
+        {
+            "spec.pool.podTemplate": {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "kvfleet.io/gpu-group", "operator": "In", "values": ["bank"]}
+                                    ]
+                                }
+                            ]
+                        }
+                    }
+                }
+            }
+        },
+        "spec.pool.podTemplate.affinity.nodeAffinity",
         C,
     ),
     _md(

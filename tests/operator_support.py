@@ -22,6 +22,7 @@ from devcluster import ControlPlane
 
 from kvfleet_operator.build.model_deployment import OperatorImages
 from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
+from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import Credentials, KubeClient
 from kvfleet_runtime.config import KeyFile, TenantTable
 
@@ -53,23 +54,41 @@ def load_example(name: str, namespace: str) -> dict[str, Any]:
     return doc
 
 
-def reconcile(plane: ControlPlane, namespace: str, name: str) -> tuple[ReconcileResult, int]:
-    """One reconcile; returns its result and the number of mutating API calls it made."""
+def reconcile(
+    plane: ControlPlane, namespace: str, name: str, config: OperatorConfig = CONFIG
+) -> tuple[ReconcileResult, int]:
+    """One reconcile with ``config``; returns its result and the number of mutating API calls it made."""
 
     async def go() -> tuple[ReconcileResult, int]:
         async with KubeClient(Credentials.from_kubeconfig(plane.kubeconfig)) as client:
-            result = await reconcile_model_deployment(client, CONFIG, namespace, name)
+            result = await reconcile_model_deployment(client, config, namespace, name)
             return result, client.mutating_calls
 
     return asyncio.run(go())
 
 
-def converge(plane: ControlPlane, namespace: str, name: str, rounds: int = 6) -> int:
+def converge(
+    plane: ControlPlane, namespace: str, name: str, rounds: int = 6, config: OperatorConfig = CONFIG
+) -> int:
     """Reconcile until a round mutates nothing; returns the rounds it took."""
     for i in range(1, rounds + 1):
-        if reconcile(plane, namespace, name)[1] == 0:
+        if reconcile(plane, namespace, name, config)[1] == 0:
             return i
     raise AssertionError(f"{namespace}/{name} did not converge in {rounds} reconciles")
+
+
+def workloads_ready(plane: ControlPlane, namespace: str, name: str) -> None:
+    """What the StatefulSet and Deployment controllers report once the pods of ModelDeployment ``name``
+    run (the API tier runs no controllers; on the full tier kwok's pods get there by themselves and the
+    controllers may write their own figures over these). Not created yet: nothing to do."""
+    for kind, child in ((kinds.STATEFUL_SET, f"{name}-engine"), (kinds.DEPLOYMENT, f"{name}-gateway")):
+        status, body = plane.request(
+            "PATCH",
+            kind.path(namespace, child) + "/status",
+            {"status": {"replicas": 1, "readyReplicas": 1}},
+            content_type="application/merge-patch+json",
+        )
+        assert status in (200, 404), body
 
 
 def create(plane: ControlPlane, doc: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +109,10 @@ def get(plane: ControlPlane, path: str) -> dict[str, Any]:
     assert status == 200, (path, body)
     found: dict[str, Any] = body
     return found
+
+
+def model_deployment(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    return get(plane, f"{API}/namespaces/{namespace}/modeldeployments/{name}")
 
 
 def tenant(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
@@ -143,13 +166,32 @@ def events_of(plane: ControlPlane, namespace: str, name: str) -> list[tuple[str,
     return [(e["type"], e["reason"]) for e in events if e["involvedObject"]["name"] == name]
 
 
-def tiny_namespace(plane: ControlPlane, prefix: str, tenants: tuple[str, ...] = ()) -> Iterator[str]:
+def schedulable_on_kwok(md: dict[str, Any]) -> dict[str, Any]:
+    """``md`` with its model source swapped for a Hugging Face id (a download into an emptyDir cache). On
+    the full tier the StatefulSet controller creates the engine pod, and no storage provisioner here binds
+    the CPU example's claim, so the pod would stay Pending and the controller would keep writing
+    ``readyReplicas: 0`` over what a test writes; kwok runs the Hugging Face one."""
+    md["spec"]["model"]["source"] = {"huggingFace": "kvfleet/tiny-llama"}
+    return md
+
+
+def tiny_namespace(
+    plane: ControlPlane, prefix: str, tenants: tuple[str, ...] = (), *, schedulable: bool = False
+) -> Iterator[str]:
     """A fresh namespace with the CPU example ModelDeployment ``tiny`` and the named example tenants
-    (``examples/local/tenant-<name>.yaml``); deleted afterwards. For a fixture to ``yield from``."""
+    (``examples/local/tenant-<name>.yaml``); deleted afterwards. For a fixture to ``yield from``.
+
+    ``schedulable``: the example's PVC model source swapped for a Hugging Face id (a download into an
+    emptyDir cache), for a test that needs the workloads Ready on whichever tier the session's plane is.
+    On the full tier the StatefulSet controller creates the engine pod, and no storage provisioner here
+    binds the example's claim, so the pod would stay Pending; kwok runs the Hugging Face one."""
     apply_crds(plane)
     namespace = create_namespace(plane, prefix)
     try:
-        create(plane, load_example("local/modeldeployment-tiny.yaml", namespace))
+        md = load_example("local/modeldeployment-tiny.yaml", namespace)
+        if schedulable:
+            schedulable_on_kwok(md)
+        create(plane, md)
         for name in tenants:
             create(plane, load_example(f"local/tenant-{name}.yaml", namespace))
         yield namespace

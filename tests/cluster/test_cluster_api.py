@@ -94,6 +94,20 @@ def test_valid_base_manifests_are_accepted(api_cluster: ControlPlane, cr_namespa
         assert status == 201, f"valid {kind} rejected: {body}"
 
 
+@pytest.mark.parametrize("size", ["512Gi", "0.5Gi", 1073741824])
+def test_an_enabled_shared_tier_with_a_size_is_accepted(
+    api_cluster: ControlPlane, cr_namespace: str, size: object
+) -> None:
+    """The shared tier's CEL rule reads an int-or-string size: both forms pass when not zero."""
+    manifest = build_base_manifest("ModelDeployment")
+    manifest["metadata"] = {"name": unique_name("shared-tier"), "namespace": cr_namespace}
+    manifest["spec"].setdefault("kvCache", {})["shared"] = {"enabled": True, "size": size}
+    status, body = api_cluster.request(
+        "POST", plural_path("ModelDeployment", cr_namespace) + "?fieldValidation=Strict", manifest
+    )
+    assert status == 201, f"shared tier of {size!r} rejected: {body}"
+
+
 def test_invalid_tenant_is_rejected_with_the_cel_message(
     api_cluster: ControlPlane, cr_namespace: str
 ) -> None:

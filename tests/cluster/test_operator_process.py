@@ -57,6 +57,8 @@ class OperatorProcess:
         env = {
             **self.plane.env(),
             "KVFLEET_RESYNC_SECONDS": "5",
+            # One pod restarted in place: the same identity, so a restart takes its own Lease back at once.
+            "POD_NAME": "operator-0",
             "KVFLEET_SALT_SECRET": f"{self.namespace}/kvfleet-salt-master",
             # The same images as the in-process CONFIG, so both render identical objects.
             "KVFLEET_ENGINE_IMAGE": CONFIG.images.engine,
@@ -224,7 +226,7 @@ def test_killing_the_operator_mid_reconcile_always_converges(
     _, mutations = reconcile(full_cluster, namespace, "qwen72b", config)
     assert mutations == 0
     children = owned_children(full_cluster, namespace, "qwen72b")
-    assert len(children) == 10  # shared pool (4) + gateway (4) + config (2): no duplicates or leftovers
+    assert len(children) == 11  # shared pool (4) + gateway (5) + config (2): no duplicates or leftovers
 
 
 def test_deleting_a_model_deployment_with_tenants_is_held_until_they_go(

@@ -100,7 +100,7 @@ def owned_children(plane: ControlPlane, namespace: str, md: str) -> set[tuple[st
     selector = f"app.kubernetes.io/managed-by=kvfleet-operator,kvfleet.io/model-deployment={md}"
     found: set[tuple[str, str]] = set()
     for kind in kinds.CHILD_KINDS:
-        if kind in (kinds.SERVICE_MONITOR, kinds.POD_MONITOR):
+        if kind in (*kinds.MONITORING_KINDS, *kinds.EXPOSURE_KINDS):  # optional APIs (none is asked here)
             continue
         body = get(plane, f"{kind.path(namespace)}?labelSelector={selector}")
         found |= {(kind.kind, item["metadata"]["name"]) for item in body["items"]}
@@ -199,6 +199,7 @@ def test_examples_create_exactly_the_expected_objects(full_cluster: ControlPlane
         ("Secret", "qwen72b-keys"),
         ("Deployment", "qwen72b-gateway"),
         ("Service", "qwen72b-gateway"),
+        ("Service", "qwen72b-gateway-metrics"),
         ("PodDisruptionBudget", "qwen72b-gateway"),
         ("NetworkPolicy", "qwen72b-gateway"),
     }

@@ -1,7 +1,7 @@
 """kvfleet's images as ``make images`` builds them (podman): what the chart runs by default, who they run
 as, what they leave out, and that each starts its real program.
 
-Needs podman and the images of the current tree (``make images``; hack/provision.d/30-node.sh runs it).
+Needs podman and the images of the current tree (``make images``; hack/provision.d/40-images.sh runs it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _print_refs() -> dict[str, str]:
 def built() -> dict[str, str]:
     """image name -> content ref of the current tree's images, all present in podman's store."""
     if shutil.which("podman") is None:
-        missing_component("podman", "hack/provision.d/30-node.sh (apt-get install podman mmdebstrap)")
+        missing_component("podman", "hack/provision.d/40-images.sh (apt-get install podman mmdebstrap)")
     refs = _print_refs()
     absent = [
         ref

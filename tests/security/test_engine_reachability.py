@@ -221,7 +221,7 @@ def test_monitors_scrape_only_metrics_ports_the_policies_open_to_prometheus() ->
         assert scraped == {PLUGIN_METRICS_PORT}
         assert all(reach(PROMETHEUS, engine, port) for port in scraped)
     service_monitor = _one(CHILDREN, "ServiceMonitor", "qwen72b-gateway")
-    service = _one(CHILDREN, "Service", "qwen72b-gateway")
+    service = _one(CHILDREN, "Service", "qwen72b-gateway-metrics")  # the client Service has no metrics port
     ports = {p["name"]: p["targetPort"] for p in service["spec"]["ports"]}
     by_name = {p.name: p.port for p in GATEWAY.ports}
     scraped = {by_name.get(ports[e["port"]], ports[e["port"]]) for e in service_monitor["spec"]["endpoints"]}

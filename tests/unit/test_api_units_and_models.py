@@ -91,7 +91,7 @@ def test_model_deployment_defaults() -> None:
                 "model": {
                     "servedName": "m",
                     "source": {"uri": "s3://bucket/m"},
-                    "architecture": {"fromConfig": True},
+                    "architecture": {"preset": "llama-3.1-8b"},
                 }
             },
         }
@@ -104,6 +104,8 @@ def test_model_deployment_defaults() -> None:
     assert md.spec.engine.scheduling_policy == "priority"
     assert md.spec.pool.replicas == 1 and md.spec.gateway.replicas == 2
     assert parse_quantity(md.spec.kv_cache.cpu_size) == 0 and md.spec.kv_cache.nvme is None
+    assert md.spec.pool.gpu_resource == "nvidia.com/gpu"
+    assert md.spec.pool.pod_template.model_dump(exclude_defaults=True) == {}
 
 
 def test_tenant_defaults() -> None:
@@ -152,7 +154,7 @@ def test_architecture_maps_one_to_one_onto_the_runtime() -> None:
         .annotation.model_fields["model"]  # type: ignore[union-attr]
         .annotation.model_fields["architecture"]
         .annotation.model_fields
-    ) - {"from_config", "preset"}
+    ) - {"preset"}
     assert api_fields == set(sizing.ModelArchitecture.model_fields)
     assert {d.value for d in WeightDtype} == {d.value for d in sizing.WeightDtype}
     assert {p.value for p in ArchitecturePreset} == set(PRESETS)

@@ -18,11 +18,13 @@ from kvfleet_operator.build.common import (
     selector_labels,
 )
 from kvfleet_operator.build.engine import (
+    NODE_LOSS_TOLERATION_SECONDS,
     ModelVolume,
     NvmeVolume,
     PoolWorkload,
     build_engine_service,
     build_engine_statefulset,
+    build_node_loss_tolerations,
     replica_endpoints,
 )
 from object_fields import MISSING, field_at
@@ -31,6 +33,11 @@ MD_OWNER = Owner("kvfleet.io/v1alpha1", "ModelDeployment", "m", "md-uid")
 TENANT_OWNER = Owner("kvfleet.io/v1alpha1", "Tenant", "bank", "t-uid")
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 GROUP_TOLERATION = {"key": "kvfleet.io/gpu-group", "operator": "Equal", "value": "g1", "effect": "NoSchedule"}
+#: What every engine pod tolerates of a node that stopped reporting (instead of the API server's 300 s).
+NODE_LOSS = [
+    {"key": f"node.kubernetes.io/{k}", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}
+    for k in ("not-ready", "unreachable")
+]
 
 CPU_POOL = PoolWorkload(
     namespace="ns",
@@ -91,7 +98,7 @@ def _mount(sts: dict[str, Any], name: str) -> Any:
                 "spec.serviceName": "m-engine",
                 "spec.podManagementPolicy": "Parallel",
                 f"{POD}.nodeSelector": MISSING,
-                f"{POD}.tolerations": MISSING,
+                f"{POD}.tolerations": NODE_LOSS,
                 f"{POD}.affinity": MISSING,
                 "spec.volumeClaimTemplates": MISSING,
             },
@@ -102,7 +109,7 @@ def _mount(sts: dict[str, Any], name: str) -> Any:
             {
                 "metadata.name": "m-engine",
                 "spec.replicas": 2,
-                f"{POD}.tolerations": [GPU_TOLERATION],
+                f"{POD}.tolerations": [GPU_TOLERATION, *NODE_LOSS],
                 f"{POD}.affinity": MISSING,
                 "spec.volumeClaimTemplates[0].metadata.name": "nvme",
                 "spec.volumeClaimTemplates[0].spec.storageClassName": "local-nvme",
@@ -118,7 +125,7 @@ def _mount(sts: dict[str, Any], name: str) -> Any:
         pytest.param(
             dataclasses.replace(GPU_POOL, excluded_node_labels=("kvfleet.io/gpu-group",)),
             {
-                f"{POD}.tolerations": [GPU_TOLERATION],
+                f"{POD}.tolerations": [GPU_TOLERATION, *NODE_LOSS],
                 NODE_TERMS: [
                     {"matchExpressions": [{"key": "kvfleet.io/gpu-group", "operator": "DoesNotExist"}]}
                 ],
@@ -137,7 +144,7 @@ def _mount(sts: dict[str, Any], name: str) -> Any:
                 "metadata.ownerReferences[0].kind": "Tenant",
                 "metadata.ownerReferences[0].uid": "t-uid",
                 f"{POD}.nodeSelector": MISSING,
-                f"{POD}.tolerations": [GPU_TOLERATION, GROUP_TOLERATION],
+                f"{POD}.tolerations": [GPU_TOLERATION, GROUP_TOLERATION, *NODE_LOSS],
                 NODE_TERMS: [
                     {
                         "matchExpressions": [
@@ -318,3 +325,49 @@ def test_headless_service_exposes_inference_and_metrics_but_not_lmcache(pool: Po
 )
 def test_replica_endpoints(pool: PoolWorkload, expected: list[str]) -> None:
     assert replica_endpoints(pool, ENGINE_PORT) == expected
+
+
+@pytest.mark.parametrize(
+    ("user", "expected_keys_added"),
+    [
+        pytest.param((), ["not-ready", "unreachable"], id="none-of-the-users-both-added"),
+        pytest.param(
+            (GPU_TOLERATION,), ["not-ready", "unreachable"], id="noschedule-gpu-toleration-unrelated"
+        ),
+        pytest.param(
+            (
+                {
+                    "key": "node.kubernetes.io/unreachable",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 600,
+                },
+            ),
+            ["not-ready"],
+            id="users-own-seconds-for-one-key-kept",
+        ),
+        pytest.param(
+            ({"key": "node.kubernetes.io/not-ready", "operator": "Exists"},),
+            ["unreachable"],
+            id="users-any-effect-forever-kept",
+        ),
+        pytest.param(
+            ({"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule"},),
+            ["not-ready", "unreachable"],
+            id="users-noschedule-only-does-not-decide-eviction",
+        ),
+        pytest.param(({"operator": "Exists"},), [], id="users-wildcard-tolerates-everything-forever"),
+    ],
+)
+def test_node_loss_tolerations_short_unless_the_user_decides(
+    user: tuple[dict[str, Any], ...], expected_keys_added: list[str]
+) -> None:
+    """A pod on a node that stopped reporting is evicted after 30 s, not the API server's default 300 s;
+    the shortest matching ``tolerationSeconds`` wins in the taint manager, so a user's own toleration of
+    that taint is never undercut by ours."""
+    assert NODE_LOSS_TOLERATION_SECONDS == 30
+    tolerations = build_node_loss_tolerations(user)
+    assert tolerations[: len(user)] == list(user)
+    added = tolerations[len(user) :]
+    assert [t["key"] for t in added] == [f"node.kubernetes.io/{k}" for k in expected_keys_added]
+    assert all(t["effect"] == "NoExecute" and t["tolerationSeconds"] == 30 for t in added)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvfleet_operator.api.modeldeployment import ExposureSpec, ServiceExposure, ServiceType
 from kvfleet_operator.build.common import (
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
@@ -14,10 +15,16 @@ from kvfleet_operator.build.common import (
     object_labels,
     selector_labels,
 )
+from kvfleet_operator.build.engine import (
+    NODE_LOSS_TAINTS,
+    NODE_LOSS_TOLERATION_SECONDS,
+    build_node_loss_tolerations,
+)
 from kvfleet_operator.build.gateway import (
     GatewayWorkload,
     build_engine_pdb,
     build_gateway_deployment,
+    build_gateway_metrics_service,
     build_gateway_pdb,
     build_gateway_service,
     gateway_endpoint,
@@ -51,12 +58,19 @@ CONTAINER = f"{POD}.containers[0]"
                 ],
                 f"{CONTAINER}.readinessProbe.httpGet": {"path": "/readyz", "port": "http"},
                 f"{CONTAINER}.livenessProbe.httpGet": {"path": "/healthz", "port": "http"},
+                # Rolling: keep serving 5 s after removal (endpoints catch up), then drain for up to 60 s.
+                f"{CONTAINER}.lifecycle.preStop": {"sleep": {"seconds": 5}},
+                f"{POD}.terminationGracePeriodSeconds": 75,
                 f"{POD}.automountServiceAccountToken": False,
                 f"{POD}.enableServiceLinks": False,
                 f"{POD}.securityContext.runAsNonRoot": True,
                 f"{CONTAINER}.securityContext.readOnlyRootFilesystem": True,
                 f"{CONTAINER}.securityContext.capabilities": {"drop": ["ALL"]},
-                f"{POD}.tolerations": MISSING,  # the gateway needs no GPU node
+                # The gateway needs no GPU node; only the node-loss tolerations (30 s, not 300 s).
+                f"{POD}.tolerations": [
+                    {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}
+                    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+                ],
                 f"{POD}.nodeSelector": MISSING,
             },
             id="defaults",
@@ -81,6 +95,16 @@ def test_deployment_fields(gateway: GatewayWorkload, expected: dict[str, Any]) -
     assert {path: field_at(deployment, path) for path in expected} == expected
 
 
+def test_a_gateway_pod_leaves_a_lost_node_as_soon_as_an_engine_pod_does() -> None:
+    """The API server's DefaultTolerationSeconds would keep a gateway pod bound to a node that stopped
+    reporting for 300 s (its Deployment starts the replacement only once the pod is evicted)."""
+    pod = build_gateway_deployment(GATEWAY)["spec"]["template"]["spec"]
+    assert pod["tolerations"] == build_node_loss_tolerations(())
+    assert {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"]} == dict.fromkeys(
+        NODE_LOSS_TAINTS, NODE_LOSS_TOLERATION_SECONDS
+    )
+
+
 def test_deployment_selects_its_pods_and_mounts_the_runtime_config() -> None:
     deployment = build_gateway_deployment(GATEWAY)
     selector = deployment["spec"]["selector"]["matchLabels"]
@@ -97,6 +121,10 @@ def test_deployment_selects_its_pods_and_mounts_the_runtime_config() -> None:
     assert command[command.index("--listen") + 1] == f"0.0.0.0:{GATEWAY_PORT}"
     assert command[command.index("--metrics-listen") + 1] == f"0.0.0.0:{GATEWAY_METRICS_PORT}"
     assert command[command.index("--replicas") + 1] == "2"  # each replica enforces half the rate limits
+    # The drain fits in the grace period after the preStop sleep, or the kubelet kills streams mid-drain.
+    drain = int(command[command.index("--drain-timeout") + 1])
+    prestop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert drain == 60 and prestop + drain < pod["terminationGracePeriodSeconds"]
     assert command[command.index("--config") + 1] == "/etc/kvfleet/config/tenants.json"
     assert command[command.index("--keys") + 1] == "/etc/kvfleet/keys/keys.json"
     mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
@@ -107,16 +135,31 @@ def test_deployment_selects_its_pods_and_mounts_the_runtime_config() -> None:
     ("gateway", "service_type"),
     [
         pytest.param(GATEWAY, "ClusterIP", id="cluster-ip-by-default"),
-        pytest.param(dataclasses.replace(GATEWAY, service_type="LoadBalancer"), "LoadBalancer", id="lb"),
+        pytest.param(
+            dataclasses.replace(
+                GATEWAY,
+                exposure=ExposureSpec(service=ServiceExposure(type=ServiceType.LOAD_BALANCER)),
+            ),
+            "LoadBalancer",
+            id="lb",
+        ),
     ],
 )
 def test_service(gateway: GatewayWorkload, service_type: str) -> None:
+    """The client Service carries the API port only, whatever its type (exposure: test_build_exposure.py);
+    the metrics port is on its own ClusterIP Service."""
     svc = build_gateway_service(gateway)
     assert svc["metadata"]["name"] == "m-gateway"
     assert svc["spec"]["type"] == service_type
     assert svc["spec"]["selector"] == selector_labels("m", "gateway")
     assert svc["spec"]["ports"] == [
         {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"},
+    ]
+    metrics = build_gateway_metrics_service(gateway)
+    assert metrics["metadata"]["name"] == "m-gateway-metrics"
+    assert metrics["spec"]["type"] == "ClusterIP"
+    assert metrics["spec"]["selector"] == selector_labels("m", "gateway")
+    assert metrics["spec"]["ports"] == [
         {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
     ]
 

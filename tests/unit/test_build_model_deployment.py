@@ -12,6 +12,7 @@ import yaml
 
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.common import ENGINE_PORT, GATEWAY_PORT
+from kvfleet_operator.build.engine import build_node_loss_tolerations
 from kvfleet_operator.build.model_deployment import (
     OperatorImages,
     build_config_map,
@@ -35,6 +36,8 @@ POD = "spec.template.spec"
 #: The example's toleration as the model dumps it (``value`` defaults to ""; the server omits it, and the
 #: planner treats the two as equal).
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "value": "", "effect": "NoSchedule"}
+#: Every engine pod's short NoExecute tolerations of a node that stopped reporting (build/engine.py).
+NODE_LOSS = build_node_loss_tolerations(())
 NODE_TERMS = f"{POD}.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms"
 
 
@@ -86,6 +89,7 @@ SHARED = {
     ("Secret", "qwen72b-keys"),
     ("Deployment", "qwen72b-gateway"),
     ("Service", "qwen72b-gateway"),
+    ("Service", "qwen72b-gateway-metrics"),
     ("PodDisruptionBudget", "qwen72b-gateway"),
     ("NetworkPolicy", "qwen72b-gateway"),
     ("StatefulSet", "qwen72b-engine"),
@@ -137,7 +141,7 @@ def test_children(tenants: list[Tenant], monitoring: bool, expected: set[tuple[s
                     "kvfleet.io/gpu-pool": "shared",
                     "nvidia.com/gpu.product": "NVIDIA-H200",
                 },
-                f"{POD}.tolerations": [GPU_TOLERATION],
+                f"{POD}.tolerations": [GPU_TOLERATION, *NODE_LOSS],
                 f"{POD}.affinity": MISSING,
                 f"{POD}.containers[0].image": "engine:default",
                 "spec.volumeClaimTemplates[0].spec.storageClassName": "local-nvme",
@@ -156,6 +160,7 @@ def test_children(tenants: list[Tenant], monitoring: bool, expected: set[tuple[s
                     GPU_TOLERATION,
                     # No effect: the group's NoSchedule and NoExecute taints alike.
                     {"key": "kvfleet.io/gpu-group", "operator": "Equal", "value": "bank-h200"},
+                    *NODE_LOSS,
                 ],
                 NODE_TERMS: [
                     {
@@ -193,7 +198,7 @@ def test_child_fields(key: tuple[str, str], expected: dict[str, Any]) -> None:
             _tiny(),
             {
                 f"{POD}.nodeSelector": MISSING,  # a CPU pool goes anywhere
-                f"{POD}.tolerations": MISSING,
+                f"{POD}.tolerations": NODE_LOSS,
                 f"{POD}.volumes[4].persistentVolumeClaim": {"claimName": "tiny-llama", "readOnly": True},
                 "spec.volumeClaimTemplates": MISSING,
             },

@@ -8,7 +8,12 @@ import pytest
 
 from kvfleet_operator.build.common import ENGINE_PORT, PLUGIN_METRICS_PORT, Owner, selector_labels
 from kvfleet_operator.build.engine import PoolWorkload, build_engine_statefulset
-from kvfleet_operator.build.gateway import GatewayWorkload, build_gateway_deployment, build_gateway_service
+from kvfleet_operator.build.gateway import (
+    GatewayWorkload,
+    build_gateway_deployment,
+    build_gateway_metrics_service,
+    build_gateway_service,
+)
 from kvfleet_operator.build.monitoring import build_engine_pod_monitor, build_gateway_service_monitor
 from object_fields import field_at
 
@@ -64,8 +69,14 @@ def test_monitor_fields(monitor: dict[str, Any], expected: dict[str, Any]) -> No
 
 
 def test_service_monitor_scrapes_a_port_the_gateway_service_names() -> None:
+    """It selects the gateway's Services by label and scrapes the ``metrics`` port, which only the
+    ClusterIP metrics Service has (the client Service, which may be a LoadBalancer, does not)."""
     monitor = build_gateway_service_monitor(GATEWAY)
-    service = build_gateway_service(GATEWAY)
+    service = build_gateway_metrics_service(GATEWAY)
+    client = build_gateway_service(GATEWAY)
+    assert not {e["port"] for e in monitor["spec"]["endpoints"]} & {
+        p["name"] for p in client["spec"]["ports"]
+    }
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
     pod_labels = build_gateway_deployment(GATEWAY)["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()

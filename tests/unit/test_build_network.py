@@ -24,8 +24,10 @@ from kvfleet_operator.build.network import (
     build_engine_network_policy,
     build_gateway_network_policy,
     parse_metrics_scrapers,
+    parse_operator_peer,
 )
 from kvfleet_runtime.config import PLUGIN_DEBUG_PORT
+from netpol_eval import Namespace, Pod, allowed_ports
 
 OWNER = Owner("kvfleet.io/v1alpha1", "ModelDeployment", "m", "md-uid")
 TENANT_OWNER = Owner("kvfleet.io/v1alpha1", "Tenant", "bank", "t-uid")
@@ -136,3 +138,46 @@ def test_no_configuration_is_the_default(text: str | None) -> None:
 def test_malformed_scrapers_are_refused(text: str) -> None:
     with pytest.raises(ValidationError):
         parse_metrics_scrapers(text)
+
+
+def test_the_operator_reaches_engines_on_the_metrics_port_only() -> None:
+    """The chart's operator peer (its namespace by name, its pods by the Deployment's selector labels):
+    the operator's pods read the engines' metrics port and nothing else; a pod in the operator's namespace
+    without its labels, and a pod with its labels in another namespace, reach nothing."""
+    operator_labels = {
+        "app.kubernetes.io/name": "kvfleet",
+        "app.kubernetes.io/instance": "kvfleet",
+        "app.kubernetes.io/component": "operator",
+    }
+    peer = parse_operator_peer(
+        '{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvfleet-system"}},'
+        ' "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvfleet",'
+        ' "app.kubernetes.io/instance": "kvfleet", "app.kubernetes.io/component": "operator"}}}'
+    )
+    assert peer is not None
+    policy = build_engine_network_policy("llm", "m", "shared", OWNER, operator=peer)
+    namespaces = [Namespace("llm"), Namespace("kvfleet-system"), Namespace("tenant-x")]
+    engine = Pod("llm", "m-engine-0", selector_labels("m", "engine", "shared"))
+    operator = Pod("kvfleet-system", "kvfleet-abc", operator_labels)
+    assert allowed_ports([policy], namespaces, operator, engine) == {PLUGIN_METRICS_PORT}
+    neighbour = Pod("kvfleet-system", "other", {"app.kubernetes.io/name": "kvfleet"})
+    impostor = Pod("tenant-x", "fake-operator", operator_labels)
+    assert allowed_ports([policy], namespaces, neighbour, engine) == set()
+    assert allowed_ports([policy], namespaces, impostor, engine) == set()
+    # Without a peer (an operator outside the cluster) the policy is the scrapers' alone, as before.
+    assert build_engine_network_policy("llm", "m", "shared", OWNER)["spec"]["ingress"][1]["from"] == [
+        DEFAULT_SCRAPERS
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"namespaceSelector": {}, "podSelector": {"matchLabels": {"a": "b"}}}',
+        '{"namespaceSelector": {"matchLabels": {"a": "b"}}, "podSelector": {}}',
+        '{"namespaceSelector": {"matchLabels": {"a": "b"}}}',
+    ],
+)
+def test_an_operator_peer_that_would_admit_too_much_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_operator_peer(text)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.build.tenant_table import (
@@ -15,7 +16,6 @@ from kvfleet_operator.build.tenant_table import (
     compute_pool_capacity,
 )
 from kvfleet_runtime.config import Isolation
-from kvfleet_runtime.kv.sizing import SizingError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -77,8 +77,14 @@ def test_overcommit_rejects_the_later_tenant_with_numbers() -> None:
     assert "of 65536 blocks per replica" in by_name["greedy"].message
 
 
-def test_from_config_architecture_cannot_be_sized_and_says_why() -> None:
+def test_from_config_is_gone_from_the_api_and_the_error_says_what_replaces_it() -> None:
+    """fromConfig could never be sized (no config.json before an engine starts) and is no longer a field:
+    set next to a preset it is an unknown field; set alone (an API server that pruned it leaves no
+    architecture) the message names fromConfig and the command that prints the explicit fields."""
     doc = _load(EXAMPLES / "local/modeldeployment-tiny.yaml")
-    doc["spec"]["model"]["architecture"] = {"fromConfig": True}
-    with pytest.raises(SizingError, match="preset or the explicit fields"):
-        compute_pool_capacity(ModelDeployment.model_validate(doc))
+    doc["spec"]["model"]["architecture"]["fromConfig"] = True
+    with pytest.raises(ValidationError, match=r"architecture\.fromConfig\n.*Extra inputs are not permitted"):
+        ModelDeployment.model_validate(doc)
+    doc["spec"]["model"]["architecture"] = {}
+    with pytest.raises(ValidationError, match=r"fromConfig is no longer a field.*kvfleet plan --config-json"):
+        ModelDeployment.model_validate(doc)

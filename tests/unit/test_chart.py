@@ -79,7 +79,7 @@ def test_every_value_is_documented_and_in_the_schema() -> None:
 
 def test_an_undocumented_value_is_refused() -> None:
     with pytest.raises(ValueError, match=r"operator\.newKnob has no comment"):
-        parse_values_docs(VALUES_TEXT.replace("  replicas: 1\n", "  replicas: 1\n  newKnob: 2\n"), SCHEMA)
+        parse_values_docs(VALUES_TEXT.replace("  replicas: 2\n", "  replicas: 2\n  newKnob: 2\n"), SCHEMA)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_an_undocumented_value_is_refused() -> None:
         ({"operator": {"replica": 1}}, "Additional properties are not allowed ('replica' was unexpected)"),
         ({"operator": {"replicas": "one"}}, "'one' is not of type 'integer'"),
         ({"operator": {"replicas": -1}}, "-1 is less than the minimum of 0"),
-        ({"operator": {"replicas": 2}}, "2 is greater than the maximum of 1"),
+        ({"operator": {"podDisruptionBudget": {"enable": True}}}, "('enable' was unexpected)"),
         ({"dashboards": {"enabled": "yes"}}, "'yes' is not of type 'boolean'"),
         ({"image": {"repository": "x", "tag": "latest"}}, "should not be valid"),
         ({"operator": {"watchNamespaces": ["Bad_NS"]}}, "does not match"),
@@ -137,9 +137,12 @@ def test_default_render_objects() -> None:
     docs = render()
     kinds_rendered = sorted({d["kind"] for d in docs})
     assert kinds_rendered == [
+        "ClusterRole",  # listing nodes only (rbac.readNodes, tests/unit/test_rbac.py)
+        "ClusterRoleBinding",
         "ConfigMap",
         "CustomResourceDefinition",
         "Deployment",
+        "PodDisruptionBudget",
         "Role",
         "RoleBinding",
         "Service",
@@ -169,8 +172,9 @@ def test_monitoring_objects_only_with_their_api() -> None:
 def test_operator_deployment() -> None:
     deployment = only(render(), "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    assert spec["replicas"] == 2  # one leads, one stands by (tests/cluster/test_operator_ha.py)
+    rolling = {"maxSurge": 1, "maxUnavailable": 0}  # the new pod stands by before the old one goes
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": rolling}
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -181,6 +185,7 @@ def test_operator_deployment() -> None:
         "--namespace=kvfleet-system",  # namespaced by default: the release namespace (see test_rbac.py)
         "--metrics-port=8081",
         "--probe-address=0.0.0.0:8080",
+        "--leader-election-lease=kvfleet-leader",
     ]
     sc = container["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
@@ -188,7 +193,10 @@ def test_operator_deployment() -> None:
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "probe"}
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 8081, "probe": 8080}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    from_fields = [e for e in container["env"] if "valueFrom" in e]
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in from_fields}
+    assert fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     assert env["KVFLEET_ENGINE_IMAGE"] == "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
     assert env["KVFLEET_GATEWAY_IMAGE"] == "ghcr.io/kvfleet/kvfleet:0.1.0"
     assert env["KVFLEET_RESYNC_SECONDS"] == "30"
@@ -196,6 +204,21 @@ def test_operator_deployment() -> None:
         "requests": {"cpu": "100m", "memory": "256Mi"},
         "limits": {"memory": "512Mi"},
     }
+
+
+def test_operator_replicas_spread_and_a_disruption_budget_only_with_more_than_one() -> None:
+    docs = render()
+    pdb = only(docs, "PodDisruptionBudget")
+    selector = only(docs, "Deployment")["spec"]["selector"]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"] == selector
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    for args in (("--set", "operator.replicas=1"), ("--set", "operator.podDisruptionBudget.enabled=false")):
+        assert not [d for d in render(*args) if d["kind"] == "PodDisruptionBudget"], args
+    custom = render("--set", "operator.affinity.nodeAffinity.x=1")
+    assert only(custom, "Deployment")["spec"]["template"]["spec"]["affinity"] == {"nodeAffinity": {"x": 1}}
 
 
 def test_images_are_pinned() -> None:

@@ -161,7 +161,7 @@ def test_cel_rules_are_well_formed_and_reference_real_fields(kind: str) -> None:
             for chain in re.findall(r"\bself((?:\.[A-Za-z_]\w*)+)", rule["rule"]):
                 target: Mapping[str, Any] = node
                 for part in chain.strip(".").split("."):
-                    if part in {"replace", "startsWith", "all", "size"}:
+                    if part in {"replace", "startsWith", "all", "size", "matches"}:
                         break
                     assert part in target.get("properties", {}), f"{path}: rule names unknown field {part}"
                     target = target["properties"][part]

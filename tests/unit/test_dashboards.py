@@ -284,3 +284,24 @@ def test_a_panel_renders_to_png(tmp_path: Path) -> None:
     ]
     path = render_dashboards.render_dashboard(FLEET, panels, tmp_path / "fleet.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_a_zero_baseline_is_display_only() -> None:
+    """A query padded with ``metric * 0`` says so (``event_expr``), and its proof query reads the panel's
+    own counter without the padding: what the e2e test counts as data can never be the baseline."""
+    padded = 0
+    for spec in ALL_DASHBOARDS:
+        for _, panels in spec.rows:
+            for panel in panels:
+                for query in panel.queries:
+                    if "* 0)" not in query.expr:
+                        assert query.event_expr is None, (spec.uid, panel.title)
+                        continue
+                    padded += 1
+                    proof = query.proof_expr
+                    assert proof != query.expr and " or " not in proof and "* 0" not in proof, panel.title
+                    assert query.expr.startswith(f"({proof}) or on ("), panel.title
+                    assert metric_names(proof) and metric_names(proof) <= metric_names(query.expr), (
+                        panel.title
+                    )
+    assert padded == 9

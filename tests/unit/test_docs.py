@@ -17,13 +17,18 @@ TOP = "hack|tests|benchmarks|runtime|operator|charts|dashboards|examples|docs|im
 PATH_RE = re.compile(rf"`((?:{TOP})/[A-Za-z0-9_./-]+?)(?:::[^`]*)?`")
 #: A placeholder the reader replaces (e.g. ``--config-json path/to/model/config.json``): not runnable here.
 PLACEHOLDER = "path/to/"
-CODE_BLOCK_RE = re.compile(r"```(?:sh|bash|console)?\n(.*?)```", re.DOTALL)
+#: Every fenced block, with its language: a fence of another language (yaml, python) is no opener of the
+#: prose after it.
+CODE_BLOCK_RE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+SHELL_LANGUAGES = ("", "sh", "bash", "console")
 
 
 def _commands(text: str) -> list[str]:
     """Shell commands in code blocks, with backslash continuations joined."""
     out = []
-    for block in CODE_BLOCK_RE.findall(text):
+    for language, block in CODE_BLOCK_RE.findall(text):
+        if language not in SHELL_LANGUAGES:
+            continue
         out += [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
     return out
 

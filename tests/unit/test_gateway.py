@@ -7,6 +7,8 @@ import contextlib
 import json
 import logging
 import os
+import socket
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +291,61 @@ async def test_connect_error_fails_over_and_no_healthy_replica_is_503(tmp_path: 
         assert data["error"]["code"] == "no_healthy_replica" and "pool 'shared'" in data["error"]["message"]
         async with env.http.get(env.url + "/readyz") as r:
             assert r.status == 503
+
+
+@contextlib.contextmanager
+def _replica_that_stops_accepting() -> Any:
+    """A replica on a real listening socket (backlog 0) that answers one health check, then never
+    accepts again; its accept queue is then filled, so the kernel drops further SYNs and a connect hangs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+
+    def answer_one_health_check() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    thread = threading.Thread(target=answer_one_health_check, daemon=True)
+    thread.start()
+    fillers: list[socket.socket] = []
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", thread, fillers
+    finally:
+        for f in fillers:
+            f.close()
+        listener.close()
+
+
+async def test_a_replica_that_does_not_accept_is_503_saying_so_not_refused(tmp_path: Path) -> None:
+    """A connect that times out is reported as such (it was reported as refused)."""
+    with _replica_that_stops_accepting() as (url, health_answered, fillers):
+        async with gateway_env(
+            tmp_path,
+            [ACME],
+            n_engines=0,
+            extra_endpoints=[url],
+            health_interval_s=3600,
+            connect_timeout_s=0.3,
+        ) as env:
+            await asyncio.to_thread(health_answered.join, 5)
+            assert not health_answered.is_alive()  # healthy, and nothing accepts any more
+            port = int(url.rsplit(":", 1)[1])
+            for _ in range(4):  # fill the accept queue: later SYNs are dropped
+                f = socket.socket()
+                f.setblocking(False)
+                f.connect_ex(("127.0.0.1", port))
+                fillers.append(f)
+            await asyncio.sleep(0.1)
+            started = asyncio.get_running_loop().time()
+            _, data, _ = await env.chat("acme", status=503)
+            took = asyncio.get_running_loop().time() - started
+            message = data["error"]["message"]
+            assert data["error"]["code"] == "no_healthy_replica", data
+            assert "0 refused or unreachable, 1 did not accept within 0.3 s" in message, message
+            assert 0.25 <= took < 3, took
+            assert await env.metric(m.UPSTREAM_ERRORS_TOTAL, kind="connect") == 1
 
 
 async def test_unreachable_pool_is_503_and_not_ready(tmp_path: Path) -> None:

@@ -93,6 +93,16 @@ def _kv_transfer_port(port: int) -> Callable[[list[str]], bool]:
     return check
 
 
+def _resp_adapter(key: str, expected: Any) -> Callable[[list[str]], bool]:
+    """The shared KV tier's ``resp`` L2 adapter carries ``key`` = ``expected``."""
+
+    def check(argv: list[str]) -> bool:
+        adapters = [json.loads(argv[i + 1]) for i, a in enumerate(argv) if a == "--l2-adapter"]
+        return any(a["type"] == "resp" and a[key] == expected for a in adapters)
+
+    return check
+
+
 def _l2_adapter(key: str, expected: Any) -> Callable[[list[str]], bool]:
     def check(argv: list[str]) -> bool:
         if "--l2-adapter" not in argv:
@@ -133,6 +143,8 @@ LMCACHE_FIELD_CASES = [
     FieldCase("eviction_policy", "LRU", _l2_adapter("eviction_policy", "LRU"), base={"nvme_path": "/n"}),
     FieldCase("port", 5601, _run("--port", "5601")),
     FieldCase("http_port", 5602, _run("--http-port", "5602")),
+    FieldCase("shared_host", "tier.ns.svc", _resp_adapter("host", "tier.ns.svc")),
+    FieldCase("shared_port", 7000, _resp_adapter("port", 7000), base={"shared_host": "tier"}),
 ]
 LMCACHE_FIELDS_WITHOUT_FLAG = {
     "nvme_bytes": "LMCache's fs L2 adapter has no capacity; the quota sync bounds it"
@@ -219,9 +231,22 @@ def test_vllm_connects_lmcache_in_lmcache_driven_mode() -> None:
     assert extra["lmcache.mp.mp_transfer_mode"] == "lmcache_driven"
 
 
-def test_block_size_must_be_a_multiple_of_32() -> None:
-    with pytest.raises(ValueError, match="multiple of 32"):
+def test_block_size_must_be_a_multiple_of_32_on_the_cpu_build_only() -> None:
+    """vLLM's CPU attention backend refuses other sizes; GPU builds take 16 (the CRD's default)."""
+    with pytest.raises(ValueError, match="multiple of 32 on vLLM's CPU build"):
         EngineReplica(EngineSettings(model="/m"), served_model_name="t", block_size=16)
+    gpu = EngineReplica(EngineSettings(model="/m"), "t", 16, ReplicaSite(cpu_kv_cache_gib=None))
+    assert _flag(build_vllm_args(gpu), "--block-size") == "16"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in build_vllm_env(gpu, {})
+    with pytest.raises(ValueError, match="positive"):
+        EngineReplica(EngineSettings(model="/m"), "t", 0, ReplicaSite(cpu_kv_cache_gib=None))
+
+
+@pytest.mark.parametrize("gib", [0, -1, 1.5, True])
+def test_cpu_kv_space_is_a_whole_number_of_gib(gib: Any) -> None:
+    """vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer: 1.5 would stop it at start-up."""
+    with pytest.raises(ValueError, match="whole number of GiB"):
+        ReplicaSite(cpu_kv_cache_gib=gib)
 
 
 def test_max_model_len_fits_the_block_override() -> None:
@@ -271,7 +296,8 @@ RESOLVE_CASES = [
             "block_size": 64,
             "engine.model": "/models/m",
             "engine.port": ENGINE_PORT,
-            "engine.num_gpu_blocks_override": 500,
+            # The pool's 500 blocks are not forced onto vLLM: it sizes its own cache.
+            "engine.num_gpu_blocks_override": None,
             "engine.max_model_len": None,
             "engine.lmcache": _LMC,
         },
@@ -313,7 +339,7 @@ RESOLVE_CASES = [
     ),
     ResolveCase("no lmcache section: no LMCache", EngineSettings(model="/m"), {}, {"lmcache_url": None}),
     ResolveCase(
-        "the engine's block override wins over the pool's",
+        "an explicit block override (tests, tiny demo caches) reaches vLLM",
         EngineSettings(model="/m", num_gpu_blocks_override=64),
         {},
         {"engine.num_gpu_blocks_override": 64},
@@ -332,6 +358,12 @@ RESOLVE_CASES = [
         {"engine.max_model_len": 499 * 64},
     ),
     ResolveCase(
+        "max_model_len capped to an explicit override's cache",
+        EngineSettings(model="/m", num_gpu_blocks_override=10),
+        {"model_limit_of": lambda _m: 100_000},
+        {"engine.max_model_len": 9 * 64, "engine.num_gpu_blocks_override": 10},
+    ),
+    ResolveCase(
         "max_model_len: the table's when smaller",
         EngineSettings(model="/m", max_model_len=4096),
         {"model_limit_of": lambda _m: 100_000},
@@ -341,7 +373,7 @@ RESOLVE_CASES = [
         "no engine settings: the given model with vLLM's defaults",
         None,
         {"model": "/local/m"},
-        {"engine.model": "/local/m", "engine.lmcache": None, "engine.num_gpu_blocks_override": 500},
+        {"engine.model": "/local/m", "engine.lmcache": None, "engine.num_gpu_blocks_override": None},
     ),
 ]
 
@@ -388,6 +420,31 @@ def test_model_deployment_chunk_size_reaches_lmcache_argv(chunk_size: int) -> No
     assert _flag(vllm, "--served-model-name") == "tiny-llama"
     extra = json.loads(_flag(vllm, "--kv-transfer-config"))["kv_connector_extra_config"]
     assert str(extra["lmcache.mp.port"]) == _flag(argv, "--port")  # vLLM dials the LMCache it starts
+
+
+@pytest.mark.parametrize("space", ["1Gi", "3Gi"])
+def test_model_deployment_cpu_kv_space_reaches_vllm_env(space: str) -> None:
+    """The known bug: the pod command never passed spec.pool.cpuKvCacheSpace, so every CPU engine ran with
+    the launcher's 1 GiB whatever the operator had sized quotas against."""
+    doc = load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid")
+    doc["spec"]["pool"]["cpuKvCacheSpace"] = space
+    rendered = render_engine(doc)
+    _, replica = resolve_launch(build_parser().parse_args(rendered.command[1:]), rendered.table)
+    assert build_vllm_env(replica, {})["VLLM_CPU_KVCACHE_SPACE"] == space.removesuffix("Gi")
+
+
+def test_gpu_model_deployment_launches_the_gpu_build_with_block_size_16() -> None:
+    """A GPU pool (blockSize 16, the CRD's default) resolves through the pod's real command line: no
+    CPU KV space, and the block size the CPU build would refuse is passed to vLLM."""
+    doc = load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid")
+    doc["spec"]["pool"] = {"replicas": 1, "gpusPerReplica": 1, "gpuMemory": "24Gi"}
+    doc["spec"]["engine"]["blockSize"] = 16
+    rendered = render_engine(doc)
+    assert "--gpu" in rendered.command and "--cpu-kv-gib" not in rendered.command
+    _, replica = resolve_launch(build_parser().parse_args(rendered.command[1:]), rendered.table)
+    assert not replica.site.is_cpu_build
+    assert _flag(build_vllm_args(replica), "--block-size") == "16"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in build_vllm_env(replica, {})
 
 
 def test_model_deployment_without_offload_tiers_runs_no_lmcache() -> None:

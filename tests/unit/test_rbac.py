@@ -50,7 +50,10 @@ CLIENT_VERBS: dict[str, frozenset[str] | None] = {
     "apply_status": frozenset({"patch"}),
     "merge_patch": frozenset({"patch"}),
     "delete": frozenset({"delete"}),
+    "force_delete": frozenset({"delete"}),
     "create_event": frozenset({"create"}),
+    "create": frozenset({"create"}),
+    "replace": frozenset({"update"}),
     "api_group_exists": None,
 }
 
@@ -76,8 +79,8 @@ def _kind_named(node: ast.expr) -> kinds.Kind | None:
 def _operator_calls() -> Iterator[tuple[str, ast.Call]]:
     """Every ``<...>client.<method>(...)`` call of a KubeClient method in the operator package."""
     for path in sorted(OPERATOR.rglob("*.py")):
-        if path.parent.name == "k8s":
-            continue
+        if path.parent.name == "k8s" and path.name == "client.py":
+            continue  # the client itself; k8s/leader.py's Lease calls count
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
@@ -132,9 +135,17 @@ def _kopf_grants() -> set[Grant]:
     return grants
 
 
-#: Everything the operator's code and kopf need, in the namespaces it watches.
+#: Everything the operator's code and kopf need: in the namespaces it watches, and its Lease.
 NEEDED: frozenset[Grant] = frozenset(_code_grants() | _kopf_grants())
 MONITORING = {(k.group, k.plural) for k in (kinds.SERVICE_MONITOR, kinds.POD_MONITOR)}
+#: Ingresses and HTTPRoutes: granted only when the chart asks (rbac.ingress, rbac.httpRoute; off by default).
+EXPOSURE = {(k.group, k.plural) for k in kinds.EXPOSURE_KINDS}
+#: The one cluster-scoped grant: listing nodes (rbac.readNodes), in its own ClusterRole; a namespaced Role
+#: cannot grant it, so the watched namespaces' Roles are not asked for it.
+NODES_LIST: Grant = (kinds.NODE.group, kinds.NODE.plural, "list")
+READ_NODES = "kvfleet-read-nodes"
+#: Leader election's Lease lives in the release namespace only, never in a watched one.
+LEASES = (kinds.LEASE.group, kinds.LEASE.plural)
 
 
 def test_the_derivation_finds_what_the_operator_does() -> None:
@@ -144,9 +155,14 @@ def test_the_derivation_finds_what_the_operator_does() -> None:
     assert ("kvfleet.io", "tenants/status", "patch") in NEEDED
     assert ("kvfleet.io", "modeldeployments", "patch") in NEEDED  # kopf's finalizer
     never = {"update", "deletecollection", "escalate", "bind", "impersonate"}
-    assert not {g for g in NEEDED if g[2] in never}
+    assert not {g for g in NEEDED if g[2] in never and g[:2] != LEASES}
+    assert {g for g in NEEDED if g[:2] == LEASES} == {(*LEASES, v) for v in ("get", "create", "update")}
     assert not {g for g in NEEDED if g[:2] == ("kvfleet.io", "tenants") and g[2] not in {"list", "watch"}}
-    assert not {g for g in NEEDED if g[1] in {"pods", "nodes", "serviceaccounts", "namespaces"}}
+    assert not {g for g in NEEDED if g[1] in {"serviceaccounts", "namespaces"}}
+    # Pods: listed, to read the engines' KV capacity on their metrics port, and deleted (an engine pod stuck
+    # Terminating on a lost node, reconcile/node_loss.py); never created or changed.
+    assert {g for g in NEEDED if g[1] == "pods"} == {("", "pods", "list"), ("", "pods", "delete")}
+    assert {g for g in NEEDED if g[1] == "nodes"} == {NODES_LIST}  # read only, for NoMatchingNodes
 
 
 # --- the rendered chart -----------------------------------------------------------------------------------
@@ -171,6 +187,7 @@ SCOPES = {
     "all-namespaces": ("--set", "operator.watchAllNamespaces=true"),
     "no-monitoring": ("--set", "rbac.monitoring=false"),
     "monitoring-api": ("--api-versions", "monitoring.coreos.com/v1"),
+    "exposure": ("--set", "rbac.ingress=true", "--set", "rbac.httpRoute=true"),
 }
 
 
@@ -211,6 +228,9 @@ def test_no_wildcard_and_nothing_the_operator_does_not_use(args: tuple[str, ...]
 def test_the_watched_namespaces_get_everything_the_operator_needs(args: tuple[str, ...]) -> None:
     docs = _render(*args)
     needed = {g for g in NEEDED if g[:2] not in MONITORING} if "rbac.monitoring=false" in args else NEEDED
+    needed = {g for g in needed if g[:2] != LEASES} - {NODES_LIST}
+    if "rbac.ingress=true" not in args:
+        needed = {g for g in needed if g[:2] not in EXPOSURE}
     watched = [r for r in _roles(docs) if r["metadata"]["name"] == "kvfleet"]
     assert watched
     for role in watched:
@@ -218,9 +238,29 @@ def test_the_watched_namespaces_get_everything_the_operator_needs(args: tuple[st
         assert not missing, f"{role['kind']} in {role['metadata'].get('namespace')} lacks {missing}"
 
 
+def _cluster_wide(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cluster-wide RBAC objects other than the node-reading pair."""
+    return [
+        d
+        for d in docs
+        if d["kind"] in {"ClusterRole", "ClusterRoleBinding"} and d["metadata"]["name"] != READ_NODES
+    ]
+
+
+def test_the_only_cluster_wide_right_by_default_is_listing_nodes() -> None:
+    docs = _render()
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert role["metadata"]["name"] == binding["roleRef"]["name"] == READ_NODES
+    assert _grants(role) == {NODES_LIST}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvfleet", "namespace": RELEASE_NS}]
+    off = _render("--set", "rbac.readNodes=false")
+    assert not [d for d in off if d["kind"] in {"ClusterRole", "ClusterRoleBinding"}]
+
+
 def test_namespaced_by_default_the_release_namespace_only_and_nothing_cluster_wide() -> None:
     docs = _render()
-    assert not [d for d in docs if d["kind"] in {"ClusterRole", "ClusterRoleBinding"}]
+    assert not _cluster_wide(docs)
     watched = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvfleet"]
     assert [r["metadata"]["namespace"] for r in watched] == [RELEASE_NS]
     args = _operator_args(docs)
@@ -229,7 +269,7 @@ def test_namespaced_by_default_the_release_namespace_only_and_nothing_cluster_wi
 
 def test_listed_namespaces_get_one_role_each_bound_to_the_operator() -> None:
     docs = _render(*SCOPES["listed-namespaces"])
-    assert not [d for d in docs if d["kind"] in {"ClusterRole", "ClusterRoleBinding"}]
+    assert not _cluster_wide(docs)
     roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvfleet"]
     bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "kvfleet"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm", "llm-bank"]
@@ -242,8 +282,8 @@ def test_listed_namespaces_get_one_role_each_bound_to_the_operator() -> None:
 
 def test_cluster_wide_only_when_asked() -> None:
     docs = _render(*SCOPES["all-namespaces"])
-    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    (cluster_role,) = [d for d in _cluster_wide(docs) if d["kind"] == "ClusterRole"]
+    (binding,) = [d for d in _cluster_wide(docs) if d["kind"] == "ClusterRoleBinding"]
     assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"] == "kvfleet"
     assert not [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvfleet"]
     args = _operator_args(docs)
@@ -265,6 +305,66 @@ def test_the_release_namespace_secret_is_the_salt_master_by_name_only() -> None:
             "verbs": ["get", "create", "patch"],
         }
     ]
+
+
+@pytest.mark.parametrize("args", SCOPES.values(), ids=SCOPES.keys())
+def test_leader_election_reads_and_renews_its_lease_by_name_only(args: tuple[str, ...]) -> None:
+    """The Lease: get and update limited to its name, create (which RBAC cannot limit by name) on Leases of
+    the release namespace only; no other role touches Leases."""
+    roles = _roles(_render(*args))
+    (role,) = [r for r in roles if r["metadata"]["name"] == "kvfleet-leader-election"]
+    assert role["kind"] == "Role" and role["metadata"]["namespace"] == RELEASE_NS
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["kvfleet-leader"],
+            "verbs": ["get", "update"],
+        },
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    ]
+    assert _grants(role) == {g for g in NEEDED if g[:2] == LEASES}
+    others = [r for r in roles if r is not role and {g[:2] for g in _grants(r)} & {LEASES}]
+    assert not others, [r["metadata"]["name"] for r in others]
+    assert "--leader-election-lease=kvfleet-leader" in _operator_args(_render(*args))
+
+
+@pytest.mark.parametrize(
+    ("args", "granted", "env"),
+    [
+        pytest.param((), set(), "", id="off-by-default"),
+        pytest.param(
+            ("--set", "rbac.ingress=true"), {("networking.k8s.io", "ingresses")}, "Ingress", id="ingress"
+        ),
+        pytest.param(
+            ("--set", "rbac.httpRoute=true"),
+            {("gateway.networking.k8s.io", "httproutes")},
+            "HTTPRoute",
+            id="route",
+        ),
+        pytest.param(SCOPES["exposure"], EXPOSURE, "Ingress,HTTPRoute", id="both"),
+    ],
+)
+def test_exposure_rights_only_when_enabled_and_the_operator_is_told(
+    args: tuple[str, ...], granted: set[tuple[str, str]], env: str
+) -> None:
+    """Least privilege: no right on Ingresses or HTTPRoutes unless the chart value asks; the operator
+    learns which it may manage from KVFLEET_EXPOSURE_KINDS (it never lists a kind it has no right to), and
+    nothing watches them (the verbs are list, create, patch, delete)."""
+    docs = _render(*args)
+    for role in _roles(docs):
+        assert {g[:2] for g in _grants(role)} & EXPOSURE == (
+            granted if role["metadata"]["name"] == "kvfleet" else set()
+        )
+    role = next(r for r in _roles(docs) if r["metadata"]["name"] == "kvfleet")
+    for resource in granted:
+        assert {g[2] for g in _grants(role) if g[:2] == resource} == {"list", "create", "patch", "delete"}
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    environment = {
+        e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert environment["KVFLEET_EXPOSURE_KINDS"] == env
+    assert [k.kind for k in kinds.parse_exposure_kinds(env)] == [k for k in env.split(",") if k]
 
 
 def test_without_monitoring_rbac_no_monitor_rights() -> None:

@@ -271,7 +271,7 @@ async def test_a_pool_that_cannot_be_sized_changes_no_child() -> None:
     first = await _run_pure(_raw_md(), _local_tenants(), _secrets())
     children, _ = _converge(first)
     md = _raw_md()
-    md["spec"]["model"]["architecture"] = {"fromConfig": True}
+    del md["spec"]["pool"]["cpuKvCacheSpace"]  # a CPU engine with no KV space cannot be sized
     c = await _run_pure(md, _local_tenants(), _secrets(), children)
     assert c.result.problem is not None and c.result.problem.reason == reasons.CAPACITY_UNKNOWN
     assert (c.decisions, c.desired, c.plan) == ([], None, [])  # existing children are left alone
@@ -421,12 +421,12 @@ def test_size_pool() -> None:
     sized = steps.size_pool(md)
     assert not isinstance(sized, ConditionUpdate) and sized.hbm_blocks == 65_536
     unsized = _raw_md()
-    unsized["spec"]["model"]["architecture"] = {"fromConfig": True}
+    del unsized["spec"]["pool"]["cpuKvCacheSpace"]
     md = steps.parse_model_deployment(unsized)
     assert not isinstance(md, ConditionUpdate)
     problem = steps.size_pool(md)
     assert isinstance(problem, ConditionUpdate) and problem.reason == reasons.CAPACITY_UNKNOWN
-    assert "fromConfig" in problem.message
+    assert "cpuKvCacheSpace" in problem.message
 
 
 def _decision(name: str, admitted: bool) -> TenantDecision:
@@ -489,4 +489,7 @@ def test_steps_run_reads_before_decisions_and_writes_after() -> None:
     # A key Secret is generated only once admission has decided, and before the key file is built.
     assert order.index("admit") < order.index("generate_api_keys") < order.index("build_desired")
     assert order.index("plan") < order.index("apply") < order.index("prune")
+    # A lost engine pod is force-deleted once the StatefulSets it belongs to are applied and listed.
+    assert order.index("read_children") < order.index("replace_lost_engine_pods")
+    assert order.index("prune") < order.index("replace_lost_engine_pods")
     assert [step.__name__ for step in shell.STATUS_STEPS] == ["compute_status", "write_status"]

@@ -1,0 +1,84 @@
+"""benchmarks/ci_cold.py reads the phases of a time-stamped ``.ci/run`` log: each phase from its ``==> ``
+line to the next, the provisioning steps by name (sequential, or in hack/test.sh's two lanes),
+hack/build-cluster.sh's Go timings, pytest's summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from ci_cold import LIMIT_S, figures_of, parse_log
+
+pytestmark = pytest.mark.unit
+
+LOG = """\
+23:59:50 ==> creating .venv
+23:59:58 Successfully installed kvfleet
+00:00:10 ==> hack/provision.d/10-cluster.sh
+00:05:00 [build-cluster] etcd: done in 89 s
+00:20:10 [build-cluster] kubernetes: done in 884 s
+00:20:40 ==> hack/provision.d/30-node.sh
+00:40:00 [build-cluster] prometheus-k8s: done in 1100 s
+00:40:05 [images 00:40:05] engine: done in 19 s
+00:40:06 30-node: done in 1186 s
+01:00:40 ==> ruff
+01:00:41 All checks passed!
+01:02:40 ==> pytest
+01:50:00 ===== 1 failed, 2016 passed, 14 warnings in 2839.27s (0:47:19) =====
+01:50:02 make: *** [Makefile:14: test] Error 1
+"""
+
+
+def test_phases_go_builds_and_summary() -> None:
+    run = parse_log(LOG.splitlines())
+    assert run.total_s == 10 + 6600 + 2  # across midnight
+    assert run.phases == {"bootstrap": 20, "provision": 1230 + 2400, "lint": 120, "tests": 2842}
+    assert run.steps == {"cluster": 1230, "node": 2400}  # sequential: each to the next ==> line
+    assert sum(run.phases.values()) == run.total_s
+    assert run.go_builds == {"etcd": 89, "kubernetes": 884, "prometheus-k8s": 1100}
+    assert run.pytest_summary == "1 failed, 2016 passed, 14 warnings in 2839.27s (0:47:19)"
+    figures = figures_of(run)
+    assert figures["go_prometheus_k8s_build_s"].median == 1100
+    assert figures["limit_s"].median == LIMIT_S == 5400
+    assert figures["total_s"].median == run.total_s
+
+
+LANES_LOG = """\
+10:00:00 ==> creating .venv
+10:01:00 ==> hack/provision.d/10-cluster.sh
+10:01:00 ==> hack/provision.d/20-engine.sh
+10:01:05 [build] [build-cluster 10:01:05] etcd: building etcd
+10:04:20 <== hack/provision.d/20-engine.sh: done in 200 s
+10:04:20 ==> hack/provision.d/40-images.sh
+10:06:40 [build] [build-cluster 10:06:40] etcd: done in 335 s
+10:18:00 <== hack/provision.d/40-images.sh: failed (exit 1) after 820 s
+10:20:00 <== hack/provision.d/10-cluster.sh: done in 1140 s
+10:20:00 ==> hack/provision.d/30-node.sh
+10:30:00 <== hack/provision.d/30-node.sh: done in 600 s
+10:30:00 ==> ruff
+10:31:30 ==> pytest
+11:20:00 ===== 2017 passed in 2900.00s (0:48:20) =====
+"""
+
+
+def test_lanes_steps_overlap_and_provisioning_counts_once() -> None:
+    """hack/test.sh's two lanes: a step's own time from its <== line (failed ones too), and the
+    provisioning phase from the first step to lint, so the phases still add up to the total."""
+    run = parse_log(LANES_LOG.splitlines())
+    assert run.steps == {"cluster": 1140, "engine": 200, "images": 820, "node": 600}
+    assert run.phases == {"bootstrap": 60, "provision": 1740, "lint": 90, "tests": 2910}
+    assert sum(run.phases.values()) == run.total_s == 4800
+    assert sum(run.steps.values()) > run.phases["provision"]  # the lanes ran side by side
+    assert run.go_builds == {"etcd": 335}  # found behind the lane's prefix
+    figures = figures_of(run)
+    assert figures["provision_s"].median == 1740
+    assert figures["provision_images_s"].median == 820
+
+
+def test_a_log_without_time_stamps_is_refused() -> None:
+    with pytest.raises(ValueError, match="no time-stamped line"):
+        parse_log(["==> ruff", "All checks passed!"])
