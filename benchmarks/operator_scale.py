@@ -6,8 +6,12 @@ Starts the full local control plane with kwok nodes (a shared pool plus one tain
 dedicated tenant), creates the ModelDeployments (CPU engines, so no GPU is needed for the shared pools)
 and the Tenants (mostly salted and shared, 50 dedicated), then starts ``kvfleet operator`` and measures:
 wall time until every Tenant is Ready, the API calls the operator made (its own
-``kvfleet_operator_api_calls_total``), and the operator's peak RSS (VmHWM). Prints one JSON line and
-writes the results file ``--results`` (default ``benchmarks/results/operator_scale.json``).
+``kvfleet_operator_api_calls_total``), the writes the API server's audit log holds from the operator
+(counted by user: the ServiceAccount it runs as; its client's and kopf's told apart by User-Agent; Lease
+renewals apart), then the writes of
+``--idle-seconds`` of converged resyncs (every ModelDeployment's timer fires in that time), and the
+operator's peak RSS (VmHWM). Prints one JSON line and writes the results file ``--results`` (default
+``benchmarks/results/operator_scale.json``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from audit import AuditLog, Write, by_operator, count_by
 from cluster_helpers import apply_crds, create_namespace
 from devcluster import build_layout, start_control_plane
+from operators import operator_kubeconfig, operator_user
 from results_format import (
     Figure,
     Machine,
@@ -111,12 +118,37 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+#: The operator's identity in the audit log (its User-Agent names it).
+IDENTITY = "scale-operator"
+
+
+def audited(writes: list[Write]) -> dict[str, Figure]:
+    """The operator's audited writes: total, by client (its own, kopf's) and by verb; Lease renewals
+    apart."""
+    work = [w for w in writes if not w.is_lease]
+    client = Counter("kopf" if w.user_agent.startswith("kopf/") else "kvfleet" for w in work)
+    figures = {"audited_writes_total": Figure.single(len(work), "writes")}
+    figures |= {f"audited_writes.{c}": Figure.single(n, "writes") for c, n in sorted(client.items())}
+    figures |= {
+        f"audited_writes.verb.{v}": Figure.single(n, "writes")
+        for v, n in sorted(count_by(work, "verb").items())
+    }
+    figures["audited_lease_writes"] = Figure.single(len(writes) - len(work), "writes")
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tenants", type=int, default=1000)
     parser.add_argument("--model-deployments", type=int, default=10)
     parser.add_argument("--dedicated", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=70,
+        help="converged time whose writes are counted (resync: 60 s)",
+    )
     add_results_argument(parser, "operator_scale")
     args = parser.parse_args()
     load_at_start = os.getloadavg()[0]
@@ -153,9 +185,12 @@ def main() -> int:
         metrics_port = _free_port()
         env = {
             **plane.env(),
+            "KUBECONFIG": str(operator_kubeconfig(plane, namespace, plane.workdir / "operator.kubeconfig")),
             "KVFLEET_SALT_SECRET": f"{namespace}/kvfleet-salt-master",
             "KVFLEET_RESYNC_SECONDS": "60",
+            "POD_NAME": IDENTITY,
         }
+        audit = AuditLog(plane.audit_log)
         # The operator's log, for debugging a slow run; the benchmark itself does not read it.
         log = Path(os.environ.get("KVFLEET_SCALE_LOG", os.devnull)).open("wb")  # noqa: SIM115
         started = time.monotonic()
@@ -172,6 +207,10 @@ def main() -> int:
             time.sleep(1)
         converged = time.monotonic() - started
         calls = api_calls(metrics_port)
+        to_ready = by_operator(audit.writes(), user=operator_user(namespace))
+        audit.mark()
+        time.sleep(args.idle_seconds)
+        idle = by_operator(audit.writes(), user=operator_user(namespace))
         peak_rss = round(peak_rss_mib(operator.pid), 1)
         result = {
             "tenants": args.tenants,
@@ -182,6 +221,8 @@ def main() -> int:
             "api_calls": {k: int(v) for k, v in sorted(calls.items())},
             "api_calls_total": int(sum(calls.values())),
             "operator_peak_rss_mib": peak_rss,
+            "audited_writes_to_ready": dict(count_by(to_ready, "user_agent")),
+            "audited_writes_idle": dict(count_by(idle, "user_agent")),
         }
         print(json.dumps(result))
         events = plane.request("GET", f"/api/v1/namespaces/{namespace}/events")[1]["items"]
@@ -194,6 +235,10 @@ def main() -> int:
             "api_calls_total": Figure.single(sum(calls.values()), "calls"),
             **{f"api_calls.{verb}": Figure.single(n, "calls") for verb, n in sorted(calls.items())},
             "operator_peak_rss_mib": Figure.single(peak_rss, "MiB"),
+            **audited(to_ready),
+            "idle_audited_writes": Figure.single(
+                sum(1 for w in idle if not w.is_lease), "writes", note=f"{args.idle_seconds:g} s converged"
+            ),
         }
         details = {
             "tenants": args.tenants,
@@ -203,6 +248,9 @@ def main() -> int:
             "shared": isolation.get("shared", 0),
             "ready": ready,
             "events_by_reason": reasons,
+            "idle_seconds": args.idle_seconds,
+            "idle_writes": [w.describe() for w in idle if not w.is_lease][:50],
+            "audited_writes_by_resource": dict(count_by((w for w in to_ready if not w.is_lease), "resource")),
         }
         run = measured(
             name_of(args.results),

@@ -368,6 +368,18 @@ def render_engine_restore(f: Files) -> str:
 # --- gateway --------------------------------------------------------------------------------------------
 
 PROXIES = {"kvfleet": "kvfleet gateway", "vllm-router": "vllm-router", "litellm": "LiteLLM proxy"}
+#: The gateway at an earlier git ref, run in the same benchmark (``bench.py --baseline-ref``).
+BASELINE_PREFIX = "kvfleet@"
+
+
+def _gateway_rows(r: Results) -> dict[str, str]:
+    """Figure prefix -> row label: the current gateway, its same-run baseline (if any), then the peers."""
+    ref = r.details.get("baseline_ref")
+    if not ref:
+        return PROXIES
+    what = r.details.get("baseline_label") or "at"
+    first, *peers = PROXIES.items()
+    return dict([first, (f"{BASELINE_PREFIX}{ref}", f"kvfleet gateway ({what} {ref})"), *peers])
 
 
 def _max_rate(r: Results, proxy: str) -> str:
@@ -397,7 +409,7 @@ def render_gateway(f: Files, name: str) -> str:
             with_note(spread(r.figure(f"{p}.added_p99"), sig3), r.figure(f"{p}.added_p99")),
             _max_rate(r, p),
         ]
-        for p, label in PROXIES.items()
+        for p, label in _gateway_rows(r).items()
         if f"{p}.added_p50" in r.figures
     ]
     text = table(header, rows)
@@ -416,6 +428,41 @@ def render_gateway_ttft(f: Files) -> str:
         for k, label in (("direct", "direct to vLLM"), ("gateway", "through the gateway"), ("added", "added"))
     ]
     return table(["path", "TTFT p50 (ms)", "TTFT p90 (ms)"], rows)
+
+
+def render_soak(f: Files) -> str:
+    """One row per soak run (benchmarks/soak.py): load, outcome, and the gateway's memory and descriptors."""
+    rows = []
+    for name, label in (("soak_fake", "fake upstream"), ("soak_vllm", "vLLM-CPU (tiny model)")):
+        r = f[name]
+        rows.append(
+            [
+                label,
+                num(detail_int(r, "clients")),
+                duration(detail_float(r, "duration_s")),
+                num(median(r.figure("requests_ok"))),
+                num(median(r.figure("errors"))),
+                sig3(median(r.figure("requests_per_s"))),
+                f"{median(r.figure('stream_p50')):.2f} / {median(r.figure('stream_p99')):.2f}",
+                f"{median(r.figure('rss_start')):.1f} \u2192 {median(r.figure('rss_end')):.1f}",
+                f"{num(median(r.figure('fds_start')))} \u2192 {num(median(r.figure('fds_end')))} "
+                f"({num(detail_int(r, 'fds_before'))} before, {num(median(r.figure('fds_after')))} after)",
+                f"{detail_float(r, 'load_1m_mean'):.1f} / {detail_float(r, 'load_1m_max'):.1f}",
+            ]
+        )
+    header = [
+        "upstream",
+        "clients",
+        "duration",
+        "streams ok",
+        "errors",
+        "streams/s",
+        "stream p50 / p99 (s)",
+        "gateway RSS start \u2192 end (MiB)",
+        "gateway fds start \u2192 end",
+        "load avg mean / max",
+    ]
+    return table(header, rows)
 
 
 # --- engine plugin --------------------------------------------------------------------------------------
@@ -562,6 +609,18 @@ def _scale_row(r: Results, primary: bool) -> list[str]:
             if k.startswith("api_calls.")
         )
         result = f"**{seconds}**, {calls} API calls ({verbs}), operator peak RSS **{rss}** ({SCALE_TARGETS})"
+        if "audited_writes_total" in r.figures:  # the API server's audit log (benchmarks/operator_scale.py)
+            by = ", ".join(
+                f"{k.removeprefix('audited_writes.')} {num(median(v))}"
+                for k, v in r.figures.items()
+                if k.startswith("audited_writes.") and not k.startswith("audited_writes.verb.")
+            )
+            idle, total = r.figure("idle_audited_writes"), r.figure("audited_writes_total")
+            result += (
+                f"; audited by the API server: **{num(median(total))} writes** ({by}; "
+                f"{num(median(r.figure('audited_lease_writes')))} Lease renewals apart), then "
+                f"**{num(median(idle))}** writes in {idle.note}"
+            )
     else:
         what = f"the same at {num(tenants)} Tenants / {mds} ModelDeployments / {dedicated} dedicated"
         result = f"{seconds}, {calls} calls, {rss}"
@@ -631,6 +690,97 @@ def render_demo(f: Files) -> str:
     return table(["run", "result"], rows)
 
 
+# --- fair queuing -----------------------------------------------------------------------------------------
+
+
+def _fair_rows(
+    r: Results, prefix: str, mode: str, tenants: list[str], jain: str, extra: bool
+) -> list[list[str]]:
+    rows = []
+    for i, tenant in enumerate(tenants):
+        key = f"{prefix}{mode}.{tenant}"
+        row = [
+            mode.upper() if i == 0 else "",
+            tenant,
+            num(median(r.figure(f"{key}.tokens_per_s"))),
+            num(median(r.figure(f"{key}.weighted_tokens_per_s"))),
+            num(median(r.figure(f"{key}.ttft_p50"))),
+            num(median(r.figure(f"{key}.ttft_p99"))),
+        ]
+        if extra:
+            row.append(num(median(r.figure(f"{key}.refused"))))
+        row.append(jain if i == 0 else "")
+        rows.append(row)
+    return rows
+
+
+def render_fairness_vllm(f: Files) -> str:
+    """FIFO against VTC on vLLM-CPU: per tenant service and TTFT, Jain's index per mode (and, in runs that
+    measured the light tenant alone, Jain's index against the max-min fair shares)."""
+    (r,) = f.values()
+    normalised = "vtc.jain_fair_share" in r.figures
+    rows = []
+    for mode in ("fifo", "vtc"):
+        jain = num(median(r.figure(f"{mode}.jain")), 3)
+        if normalised:
+            jain += f" ({num(median(r.figure(f'{mode}.jain_fair_share')), 3)})"
+        rows += _fair_rows(r, "", mode, ["light", "heavy"], jain, extra=False)
+    ratio = median(r.figure("light_ttft_p99_vtc_over_fifo"))
+    header = ["order", "tenant", "tokens/s", "weighted tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)"]
+    header.append("Jain (vs fair share)" if normalised else "Jain")
+    text = (
+        table(header, rows)
+        + f"\n\nThe light tenant's TTFT p99 under VTC is {num(ratio, 2)} x its TTFT p99 under FIFO."
+    )
+    if normalised:
+        alone = median(r.figure("alone.light.weighted_tokens_per_s"))
+        text += (
+            f" Alone on the engine, the light tenant's clients take {num(alone)} weighted tokens/s: its "
+            "demand, from which its max-min fair share (in brackets: Jain's index of each tenant's service "
+            "over its fair share) is computed."
+        )
+    return text
+
+
+FAIR_SCENARIO_LABELS = {
+    "two-tenants-5x": "two tenants, one at 5x, both above their half (0.6 and 3.0 x capacity)",
+    "light-under-share": "two tenants, one at 5x, the light one under its half (0.2 and 1.0 x capacity)",
+    "weighted": "four tenants of weights 1, 1, 2, 4, each at 0.5 x capacity",
+    "tiers": "premium at 0.3 x capacity above the two-tenants-5x pair (standard)",
+    "gaie-single-saturation": "GAIE #1801 scenario 1: one tenant just past saturation (1.1 x capacity)",
+    "gaie-8-tenants": "GAIE #1801 scenario 3: eight tenants of one tier, each at 0.25 x capacity",
+    "gaie-8-tenants-skewed": (
+        "GAIE #1801 scenario 3 with skewed demand: eight tenants of one tier at "
+        "0.05, 0.05, 0.1, 0.1, 0.2, 0.4, 0.8 and 1.6 x capacity"
+    ),
+}
+
+
+def render_fairness_simulate(f: Files) -> str:
+    """``kvfleet simulate --fair-queuing fifo,vtc`` at 8 replicas x 256 slots: one table per scenario."""
+    r = f["fairness_simulate"]
+    parts = []
+    for scenario, label in FAIR_SCENARIO_LABELS.items():
+        if f"{scenario}.vtc.jain" not in r.figures:
+            continue
+        doc = detail(r, scenario)
+        assert isinstance(doc, dict)
+        tenants_doc = doc["tenants"]
+        assert isinstance(tenants_doc, list)
+        tenants = [str(t["name"]) for t in tenants_doc if isinstance(t, dict)]
+        rows = []
+        for mode in ("fifo", "vtc"):
+            jain = (
+                f"{num(median(r.figure(f'{scenario}.{mode}.jain')), 3)} "
+                f"({num(median(r.figure(f'{scenario}.{mode}.jain_fair_share')), 3)})"
+            )
+            rows += _fair_rows(r, f"{scenario}.", mode, tenants, jain, extra=True)
+        header = ["order", "tenant", "tokens/s", "weighted tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)"]
+        header += ["refused", "Jain (vs fair share)"]
+        parts.append(f"**{scenario}**: {label}.\n\n" + table(header, rows))
+    return "\n\n".join(parts)
+
+
 # --- the page -------------------------------------------------------------------------------------------
 
 
@@ -663,6 +813,7 @@ BLOCKS: dict[str, Block] = {
     "gateway_loaded": Block(("gateway_loaded",), lambda f: render_gateway(f, "gateway_loaded")),
     "gateway": Block(("gateway",), lambda f: render_gateway(f, "gateway")),
     "gateway_ttft": Block(("gateway_ttft",), render_gateway_ttft),
+    "soak": Block(("soak_fake", "soak_vllm"), render_soak),
     "plugin_noisy_neighbour": Block(("plugin_noisy_neighbour",), render_plugin_noisy_neighbour),
     "plugin_scheduler_cost": Block(("plugin_scheduler_cost",), render_plugin_scheduler_cost),
     "plugin_overhead": Block(
@@ -681,6 +832,9 @@ BLOCKS: dict[str, Block] = {
         render_operator,
     ),
     "demo": Block(("demo", "build_cluster_cold"), render_demo),
+    "fairness_vllm": Block(("fairness_vllm",), render_fairness_vllm),
+    "fairness_vllm_light4": Block(("fairness_vllm_light4",), render_fairness_vllm),
+    "fairness_simulate": Block(("fairness_simulate",), render_fairness_simulate),
 }
 
 

@@ -13,9 +13,16 @@ Phases:
      (>= 95% of the offered rate completed, no errors) with added p99 <= ``--max-p99-overhead-ms``
      (5 ms), each rate tried ``--sweep-tries`` times (best try counts, to forgive a noisy neighbour).
 
+``--baseline-ref REF`` adds the kvfleet gateway as it was at a git ref (say, before a change) as one more
+proxy row, in the same run and on the same upstream: "no slower than before" is then a same-run
+comparison, not one against figures from another day. The ref's ``runtime/`` is exported with
+``git archive`` into the run's temporary directory (the repository's index and worktrees are not
+touched) and removed with it; that gateway reads a tenant table written by its own config schema.
+
 LiteLLM and vllm-router come from a separate virtual environment (``--bench-venv``, default
-``~/.cache/kvfleet/bench-venv``; create it with ``benchmarks/gateway/setup-bench-venv.sh``), never the
-project's. A proxy whose command is missing is reported as such and skipped.
+``$KVFLEET_BENCH_VENV``, else ``~/.cache/kvfleet/bench-venv``; create it with
+``benchmarks/gateway/setup-bench-venv.sh``), never the project's. A proxy whose command is missing is
+reported as such and skipped.
 
 Run: ``.venv/bin/python benchmarks/gateway/bench.py`` (the results file, by default
 ``benchmarks/results/gateway.json``, holds the summary figures and, in its details, every run and sweep step).
@@ -194,8 +201,13 @@ async def wait_ready(session: aiohttp.ClientSession, target: Target, limit_s: fl
     return False
 
 
-def write_gateway_config(directory: Path, upstream: str) -> tuple[Path, Path, str]:
-    sys.path.insert(0, str(REPO / "runtime"))
+def write_gateway_config(
+    directory: Path, upstream: str, key: str | None = None, runtime: Path = REPO / "runtime"
+) -> tuple[Path, Path, str]:
+    """The bench tenant's table and key file in ``directory``, by the config schema of the
+    ``kvfleet_runtime`` under ``runtime`` (imported in this process: call it for one tree per process,
+    see ``write_baseline_config``); returns their paths and the tenant's key (``key`` or a new one)."""
+    sys.path.insert(0, str(runtime))
     from kvfleet_runtime.config import (  # noqa: PLC0415
         KeyFile,
         KVQuota,
@@ -207,7 +219,7 @@ def write_gateway_config(directory: Path, upstream: str) -> tuple[Path, Path, st
         hash_api_key,
     )
 
-    key = "sk-bench-" + secrets.token_hex(16)
+    key = key or "sk-bench-" + secrets.token_hex(16)
     table = TenantTable(
         model_deployment="bench",
         served_model_name=MODEL,
@@ -240,6 +252,73 @@ def write_gateway_config(directory: Path, upstream: str) -> tuple[Path, Path, st
     return directory / "tenants.json", directory / "keys.json", key
 
 
+def write_baseline_config(directory: Path, upstream: str, key: str, runtime: Path) -> tuple[Path, Path]:
+    """``write_gateway_config`` by another tree's schema (in a child process, as this one has imported
+    the current tree's), for the same key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import bench; "
+        "bench.write_gateway_config(Path(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(HERE), str(directory), upstream, key, str(runtime)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(runtime)},
+    )
+    return directory / "tenants.json", directory / "keys.json"
+
+
+def export_runtime(ref: str, directory: Path) -> Path:
+    """``runtime/`` as it is at git ``ref``, exported under ``directory`` (no worktree, no index change)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "runtime"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+    return directory / "runtime"
+
+
+def baseline_name(ref: str) -> str:
+    """The target (and figure prefix) of the gateway at ``ref``."""
+    return f"kvfleet@{ref}"
+
+
+def gateway_argv(
+    runtime: Path, config: Path, keys: Path, port: int, *, separate_metrics_port: bool
+) -> list[str]:
+    """The command of a kvfleet gateway from ``runtime`` (a ``PYTHONPATH`` entry) on ``port``."""
+    argv = [
+        sys.executable,
+        "-m",
+        "kvfleet_runtime",
+        "gateway",
+        "--config",
+        str(config),
+        "--keys",
+        str(keys),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--log-level",
+        "WARNING",
+    ]
+    if separate_metrics_port:  # its own free metrics port: the default (8081) may be taken by another run
+        argv += ["--metrics-listen", f"127.0.0.1:{free_port()}"]
+    return argv
+
+
+def has_metrics_port_option(runtime: Path) -> bool:
+    """Whether the gateway in ``runtime`` takes ``--metrics-listen`` (older ones serve /metrics on the API
+    port)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfleet_runtime", "gateway", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(runtime)},
+        check=False,
+    ).stdout
+    return "--metrics-listen" in out
+
+
 def litellm_config(directory: Path, upstream: str) -> Path:
     cfg = directory / "litellm.yaml"
     cfg.write_text(
@@ -270,33 +349,27 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
     try:
         config, keys, key = write_gateway_config(workdir, upstream)
         gw_port = free_port()
+        runtime = REPO / "runtime"
         procs.start(
             "kvfleet",
-            [
-                py,
-                "-m",
-                "kvfleet_runtime",
-                "gateway",
-                "--config",
-                str(config),
-                "--keys",
-                str(keys),
-                "--listen",
-                f"127.0.0.1:{gw_port}",
-                # Its own free metrics port: the default (8081) may be taken by another run.
-                "--metrics-listen",
-                f"127.0.0.1:{free_port()}",
-                "--log-level",
-                "WARNING",
-            ],
+            gateway_argv(runtime, config, keys, gw_port, separate_metrics_port=True),
+            env={"PYTHONPATH": str(runtime)},
         )
-        targets.append(
-            Target(
-                "kvfleet",
-                f"http://127.0.0.1:{gw_port}/v1/chat/completions",
-                {"Authorization": f"Bearer {key}"},
+        auth = {"Authorization": f"Bearer {key}"}
+        targets.append(Target("kvfleet", f"http://127.0.0.1:{gw_port}/v1/chat/completions", auth))
+        if args.baseline_ref:
+            name = baseline_name(args.baseline_ref)
+            old = export_runtime(args.baseline_ref, workdir / "baseline")
+            old_config, old_keys = write_baseline_config(workdir / "baseline" / "config", upstream, key, old)
+            port = free_port()
+            procs.start(
+                name,
+                gateway_argv(
+                    old, old_config, old_keys, port, separate_metrics_port=has_metrics_port_option(old)
+                ),
+                env={"PYTHONPATH": str(old)},
             )
-        )
+            targets.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", auth))
         venv = Path(args.bench_venv).expanduser()
         litellm = venv / "bin" / "litellm"
         if litellm.exists():
@@ -387,10 +460,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for t in targets:  # warm-up: connection pools, JITs, caches
                     await run_load(s, t, min(args.rate * 2, 300), 2.0)
                 fixed: dict[str, Any] = {t.name: {"runs": []} for t in targets}
-                for _ in range(args.repeats):
+                for i in range(args.repeats):
                     base = await run_load(s, direct, args.rate, args.duration)
                     fixed["direct"]["runs"].append(asdict(base))
-                    for t in proxies:
+                    # Every other repeat in reverse order: no proxy always runs nearest to the direct run.
+                    for t in proxies if i % 2 == 0 else proxies[::-1]:
                         r = await run_load(s, t, args.rate, args.duration)
                         fixed[t.name]["runs"].append(
                             {
@@ -541,7 +615,19 @@ def main() -> None:
     parser.add_argument("--sweep-tries", type=int, default=2)
     parser.add_argument("--max-p99-overhead-ms", type=float, default=5.0)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
-    parser.add_argument("--bench-venv", default="~/.cache/kvfleet/bench-venv")
+    parser.add_argument(
+        "--bench-venv", default=os.environ.get("KVFLEET_BENCH_VENV", "~/.cache/kvfleet/bench-venv")
+    )
+    parser.add_argument(
+        "--baseline-ref",
+        default="",
+        help="also run the kvfleet gateway as it was at this git ref (e.g. d9f0308), as one more proxy",
+    )
+    parser.add_argument(
+        "--baseline-label",
+        default="",
+        help="what the baseline is, for the report's row (e.g. pre-hardening)",
+    )
     add_results_argument(parser, "gateway")
     args = parser.parse_args()
     try:

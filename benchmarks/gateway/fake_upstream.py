@@ -2,11 +2,14 @@
 
 It answers every POST with one canned chat completion (with ``usage``) and every GET with a small JSON
 document (``/v1/models`` lists the model, ``/health`` is empty), so proxies can health-check and
-discover it. It parses just enough HTTP/1.1 (request line, headers, ``Content-Length`` body) to serve
-keep-alive connections, and costs a few microseconds per request, so what a benchmark measures on top of
-it is the proxy.
+discover it. A POST whose body asks for ``"stream": true`` is answered as vLLM streams a chat
+completion: Server-Sent Events in chunked encoding, ``--stream-chunks`` content chunks
+``--chunk-interval`` seconds apart, a usage-only chunk when ``stream_options.include_usage`` asks for
+it, then ``data: [DONE]``. It parses just enough HTTP/1.1 (request line, headers, ``Content-Length``
+body) to serve keep-alive connections, and costs a few microseconds per request, so what a benchmark
+measures on top of it is the proxy.
 
-Run: ``python benchmarks/gateway/fake_upstream.py --port 9100``.
+Run: ``python benchmarks/gateway/fake_upstream.py --port 9100 [--stream-chunks 16 --chunk-interval 0.25]``.
 """
 
 from __future__ import annotations
@@ -59,19 +62,89 @@ def _response(body: bytes) -> bytes:
 _POST_REPLY = _response(_ANSWER)
 _MODELS_REPLY = _response(_MODELS)
 _EMPTY_REPLY = _response(b"{}")
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Connection: keep-alive\r\n\r\n"
+)
+
+
+def _chunk(event: dict[str, object] | str) -> bytes:
+    """One SSE event as one HTTP chunk."""
+    data = b"data: " + (event.encode() if isinstance(event, str) else json.dumps(event).encode()) + b"\n\n"
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _delta(content: str | None, finish: str | None) -> bytes:
+    delta = {} if content is None else {"content": content}
+    return _chunk(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+    )
+
+
+class StreamShape:
+    """How streamed answers look: ``chunks`` content chunks (tokens ``t0``, ``t1``, ...), ``interval_s``
+    apart. Set once by ``main``/``serve``."""
+
+    chunks = 16
+    interval_s = 0.25
+
+
+def _usage_chunk(chunks: int) -> bytes:
+    return _chunk(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": MODEL,
+            "choices": [],
+            "usage": {"prompt_tokens": 12, "completion_tokens": chunks, "total_tokens": 12 + chunks},
+        }
+    )
 
 
 class _Http(asyncio.Protocol):
     def __init__(self) -> None:
         self.buf = b""
         self.transport: asyncio.Transport | None = None
+        #: A stream is being written: later requests on this connection wait for it (HTTP/1.1 order).
+        self.streaming: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transport is no subclass of it
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.streaming is not None:
+            self.streaming.cancel()
+        self.transport = None
+
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        while True:
+        self._serve()
+
+    async def _stream(self, usage: bool) -> None:
+        shape = StreamShape
+        transport = self.transport
+        assert transport is not None
+        transport.write(_STREAM_HEAD + _delta("", None))
+        for i in range(shape.chunks):
+            await asyncio.sleep(shape.interval_s)
+            if transport.is_closing():
+                return
+            transport.write(_delta(f"t{i} ", "stop" if i == shape.chunks - 1 else None))
+        tail = (_usage_chunk(shape.chunks) if usage else b"") + _chunk("[DONE]") + b"0\r\n\r\n"
+        transport.write(tail)
+        self.streaming = None
+        if self.buf:
+            self._serve()
+
+    def _serve(self) -> None:
+        while self.streaming is None and self.transport is not None:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
@@ -83,11 +156,16 @@ class _Http(asyncio.Protocol):
                     length = int(value.strip())
             if len(self.buf) < end + 4 + length:
                 return
+            body = self.buf[end + 4 : end + 4 + length]
             self.buf = self.buf[end + 4 + length :]
             method, _, rest = head.partition(b" ")
             path = rest.split(b" ", 1)[0]
             assert self.transport is not None
             if method == b"POST":
+                if b'"stream"' in body and json.loads(body).get("stream"):
+                    usage = b'"include_usage"' in body
+                    self.streaming = asyncio.get_running_loop().create_task(self._stream(usage))
+                    return
                 self.transport.write(_POST_REPLY)
             elif path.startswith(b"/v1/models"):
                 self.transport.write(_MODELS_REPLY)
@@ -106,7 +184,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--stream-chunks", type=int, default=StreamShape.chunks, help="content chunks per stream"
+    )
+    parser.add_argument(
+        "--chunk-interval", type=float, default=StreamShape.interval_s, help="seconds between stream chunks"
+    )
     args = parser.parse_args()
+    StreamShape.chunks = args.stream_chunks
+    StreamShape.interval_s = args.chunk_interval
     try:
         import uvloop  # noqa: PLC0415
     except ImportError:

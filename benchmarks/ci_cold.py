@@ -1,0 +1,224 @@
+"""The CI run on a cold machine: ``.ci/run`` on a fresh clone with every cache the project fills empty,
+timed per phase, into ``benchmarks/results/ci_cold.json``.
+
+``run`` clones HEAD into ``WORKDIR/repo`` and runs ``.ci/run`` there with ``CI=true`` and these caches
+pointed at empty folders under ``WORKDIR``: ``$KVFLEET_CACHE`` (binaries, stamps, the node's containerd
+store, pip downloads of the images, the tiny model), Go's module and build caches (``GOMODCACHE``,
+``GOCACHE``), pip's cache (``PIP_CACHE_DIR``) and ``XDG_CACHE_HOME`` (vLLM's and torch's caches). Each line
+of output is written to ``WORKDIR/log`` behind the time it was printed (``HH:MM:SS``); ``parse`` reads such
+a log. podman's image store is a new one under ``WORKDIR`` too (``CONTAINERS_STORAGE_CONF``), so every image
+is built from nothing; ``--warm-images`` keeps root's own store (images built before are found by their
+content tags). What stays warm: the machine's own tools (Go, Python) and the Debian packages the
+provisioning steps install with apt when missing (podman, containerd, prometheus, ...). Disk: about 35 GB
+under ``WORKDIR`` (25 GB with ``--warm-images``).
+
+    .venv/bin/python benchmarks/ci_cold.py run WORKDIR [--warm-images] [--results PATH]  # about 1.5 hours
+    .venv/bin/python benchmarks/ci_cold.py parse LOG [--results PATH]     # the figures of a logged run
+
+Figures: ``total_s`` (first line to last); ``bootstrap_s``, ``provision_s`` (every provisioning step, the
+lanes side by side), ``lint_s`` (ruff, mypy, import contracts) and ``tests_s`` (pytest), which add up to
+the total, each from the ``==> `` lines ``hack/test.sh`` prints; one ``provision_<step>_s`` per
+``hack/provision.d`` step (from its ``<== STEP: done in N s`` line; the steps of the two lanes overlap);
+``go_<group>_build_s`` for every ``<group>: done in N s`` line of ``hack/build-cluster.sh``; ``limit_s``
+(90 minutes). Details: pytest's summary line and the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import JsonValue
+from results_format import REPO, Figure, Machine, add_results_argument, measured, write_results
+
+NAME = "ci_cold"
+LIMIT_S = 90 * 60
+_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) (.*)$")
+_GO_DONE = re.compile(r"\[build-cluster[^]]*\] ([a-z0-9-]+): done in (\d+) s")
+_PYTEST_SUMMARY = re.compile(r"=+ (.*\d+ (passed|failed).* in [\d.]+s.*) =+")
+#: hack/test.sh's phase lines after the provisioning steps (bootstrap starts at the log's first line).
+_PHASES = (("lint", "==> ruff"), ("tests", "==> pytest"))
+_STEP = re.compile(r"^==> hack/provision\.d/\d+-([a-z0-9-]+)\.sh$")
+_STEP_END = re.compile(
+    r"^<== hack/provision\.d/\d+-([a-z0-9-]+)\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$"
+)
+
+
+@dataclass(frozen=True)
+class ColdRun:
+    """What a log says: seconds per phase (in log order; they add up to the total), per provisioning
+    step, per Go build group, and pytest's summary."""
+
+    total_s: int
+    phases: dict[str, int]
+    steps: dict[str, int]
+    go_builds: dict[str, int]
+    pytest_summary: str
+
+
+def parse_log(lines: Sequence[str]) -> ColdRun:
+    """The phases of a time-stamped ``.ci/run`` log (pure). A phase lasts from its ``==> `` line to the
+    next phase's; the last one to the last line. Bootstrap lasts from the first line to the first
+    provisioning step, provisioning from there to lint. A step lasts what its ``<== `` line says; in a log
+    of the sequential ``hack/test.sh`` (no such lines), from its ``==> `` line to the next one."""
+    stamped: list[tuple[int, str]] = []
+    offset = previous = 0
+    for line in lines:
+        match = _LINE.match(line.rstrip("\n"))
+        if match is None:
+            continue
+        h, m, s, text = match.groups()
+        seconds = int(h) * 3600 + int(m) * 60 + int(s)
+        if seconds + offset < previous:  # past midnight
+            offset += 86400
+        previous = seconds + offset
+        stamped.append((previous, text))
+    if not stamped:
+        raise ValueError("no time-stamped line (expected 'HH:MM:SS text' lines written by 'run')")
+    starts: list[tuple[str, int]] = [("bootstrap", stamped[0][0])]
+    step_starts: list[tuple[str, int]] = []
+    ended: dict[str, int] = {}
+    go_builds: dict[str, int] = {}
+    summary = ""
+    for at, text in stamped:
+        step = _STEP.match(text.strip())
+        if step is not None:
+            if not step_starts:
+                starts.append(("provision", at))
+            step_starts.append((step.group(1), at))
+        step_end = _STEP_END.match(text.strip())
+        if step_end is not None:
+            ended[step_end.group(1)] = int(step_end.group(2))
+        starts.extend((phase, at) for phase, marker in _PHASES if text.strip() == marker)
+        done = _GO_DONE.search(text)
+        if done is not None:
+            go_builds[done.group(1)] = int(done.group(2))
+        found = _PYTEST_SUMMARY.search(text)
+        if found is not None:
+            summary = found.group(1)
+    end = stamped[-1][0]
+    phases = {
+        name: (starts[i + 1][1] if i + 1 < len(starts) else end) - at for i, (name, at) in enumerate(starts)
+    }
+    lint = next((at for name, at in starts if name == "lint"), end)
+    steps = {
+        name: ended[name]
+        if name in ended
+        else (step_starts[i + 1][1] if i + 1 < len(step_starts) else lint) - at
+        for i, (name, at) in enumerate(step_starts)
+    }
+    return ColdRun(end - stamped[0][0], phases, steps, go_builds, summary)
+
+
+def figures_of(run: ColdRun) -> dict[str, Figure]:
+    figures = {"total_s": Figure.single(run.total_s, "s", note="first line of .ci/run's output to last")}
+    for phase, seconds in run.phases.items():
+        figures[f"{phase}_s"] = Figure.single(seconds, "s")
+    for step, seconds in run.steps.items():
+        figures[f"provision_{step.replace('-', '_')}_s"] = Figure.single(seconds, "s", note="the step alone")
+    for group, seconds in run.go_builds.items():
+        figures[f"go_{group.replace('-', '_')}_build_s"] = Figure.single(
+            seconds, "s", note="hack/build-cluster.sh's own timing"
+        )
+    figures["limit_s"] = Figure.single(LIMIT_S, "s", note="CI's limit: 90 minutes")
+    return figures
+
+
+def _cold_env(workdir: Path, warm_images: bool) -> dict[str, str]:
+    caches = workdir / "cache"
+    env = dict(os.environ)
+    if not warm_images:
+        store = workdir / "containers"
+        conf = store / "storage.conf"
+        store.mkdir(parents=True, exist_ok=True)
+        conf.write_text(
+            f'[storage]\ndriver = "overlay"\ngraphroot = "{store / "storage"}"\nrunroot = "{store / "run"}"\n'
+        )
+        env["CONTAINERS_STORAGE_CONF"] = str(conf)
+    env.update(
+        CI="true",
+        KVFLEET_CACHE=str(caches / "kvfleet"),
+        XDG_CACHE_HOME=str(caches),
+        GOPATH=str(workdir / "go"),
+        GOMODCACHE=str(workdir / "go" / "pkg" / "mod"),
+        GOCACHE=str(caches / "go-build"),
+        PIP_CACHE_DIR=str(caches / "pip"),
+    )
+    env.pop("KVFLEET_ALLOW_MISSING", None)
+    return env
+
+
+def run_cold(workdir: Path, warm_images: bool = False) -> tuple[Path, int]:
+    """Clone HEAD into ``workdir/repo``, run ``.ci/run`` there on empty caches; the log and exit status."""
+    if workdir.exists() and any(workdir.iterdir()):
+        raise SystemExit(f"{workdir} is not empty: give a new folder (every cache under it must start empty)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    repo = workdir / "repo"
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(repo)], check=True)
+    log = workdir / "log"
+    env = _cold_env(workdir, warm_images)
+    Path(env["XDG_CACHE_HOME"]).mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [".ci/run"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(f"{time.strftime('%H:%M:%S')} {line}")
+            out.flush()
+        status = proc.wait()
+    return log, status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="run .ci/run on a fresh clone with empty caches under WORKDIR")
+    run_p.add_argument("workdir", type=Path)
+    run_p.add_argument(
+        "--warm-images", action="store_true", help="keep podman's own image store (default: a new, empty one)"
+    )
+    parse_p = sub.add_parser("parse", help="the figures of a log written by 'run'")
+    parse_p.add_argument("log", type=Path)
+    parse_p.add_argument("--exit-status", type=int, default=None, help="the run's exit status, if known")
+    for p in (run_p, parse_p):
+        add_results_argument(p, NAME)
+        p.add_argument("--load-note", default="", help="how busy the machine was (written to the file)")
+    args = parser.parse_args(argv)
+    load = os.getloadavg()[0]
+    if args.command == "run":
+        log, status = run_cold(args.workdir, args.warm_images)
+    else:
+        log, status = args.log, args.exit_status
+    run = parse_log(log.read_text().splitlines())
+    details: dict[str, JsonValue] = {"pytest": run.pytest_summary}
+    if status is not None:
+        details["exit_status"] = status
+    command = ".venv/bin/python benchmarks/ci_cold.py run WORKDIR"
+    if args.command == "run":
+        machine = Machine.here(load, note=args.load_note)
+    else:  # the load while the logged run ran is not in the log: say what the caller knows
+        machine = Machine(cores=os.cpu_count() or 1, load=args.load_note or "not recorded")
+    results = measured(
+        NAME,
+        command,
+        figures_of(run),
+        machine,
+        details=details,
+    )
+    write_results(results, args.results)
+    print(f"cold CI: {run.total_s} s ({run.total_s / 60:.0f} min) against {LIMIT_S} s; {run.phases}")
+    return 0 if status in (0, None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
