@@ -123,3 +123,34 @@ def test_the_example_renders_pods_that_ask_for_what_it_says(name: str, gpu_resou
     template = md.spec.pool.pod_template
     if template.runtime_class_name:
         assert pod["runtimeClassName"] == template.runtime_class_name
+
+
+#: Hugging Face repositories that answer 401 without an accepted licence and a token.
+GATED = ("meta-llama/",)
+SECRET_COMMAND = re.compile(
+    r"^# \$ kubectl create secret generic (?P<name>\S+) -n (?P<ns>\S+) --from-literal=HF_TOKEN=", re.MULTILINE
+)
+
+
+def _gated(name: str) -> bool:
+    return str(_load(name)[1]["spec"]["model"]["source"].get("huggingFace", "")).startswith(GATED)
+
+
+def test_the_gated_examples_are_the_llama_ones() -> None:
+    assert sorted(n for n in EXAMPLES if _gated(n)) == [
+        "modeldeployment-llama8b-l4.yaml",
+        "modeldeployment-llama8b-mig.yaml",
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in EXAMPLES if _gated(n)))
+def test_a_gated_model_names_a_token_secret_and_shows_how_to_create_it(name: str) -> None:
+    """A user copying an example of a gated model gets the token Secret it names from the command in
+    its comment (same name, same namespace); without it the download stops at the hub's 401."""
+    text, doc = _load(name)
+    source = doc["spec"]["model"]["source"]
+    ref = source.get("credentialsSecretRef")
+    assert ref, f"{name}: a gated model without credentialsSecretRef cannot be downloaded"
+    command = SECRET_COMMAND.search(text)
+    assert command, f"{name}: no `kubectl create secret generic ... HF_TOKEN=` command in the comment"
+    assert (command["name"], command["ns"]) == (ref["name"], doc["metadata"]["namespace"])
