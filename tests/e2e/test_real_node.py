@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import yaml
 from devcluster import ControlPlane, binaries, start_control_plane
@@ -263,6 +264,57 @@ def test_traffic_through_the_gateway_service_shows_per_tenant_hits_and_isolation
     with pytest.raises(urllib.error.HTTPError) as refused:
         _complete(url, model, "not-a-tenant-key-000000000000000000", "hello")
     assert refused.value.code == 401
+
+
+def _node_address(plane: ControlPlane) -> str:
+    node = kube(plane, "GET", f"/api/v1/nodes/{NODE_NAME}")
+    return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+
+
+def test_a_tenant_streams_from_outside_the_cluster_through_a_node_port(plane: ControlPlane) -> None:
+    """docs/onboarding.md's last step from outside the cluster: the ModelDeployment's exposure is switched
+    to a NodePort Service (``spec.gateway.exposure.service.type``), and the official ``openai`` client
+    streams a chat completion with usage from the node's address (not a pod, not a ClusterIP), with a
+    tenant's key and the rate-limit headers on the answer; a wrong key is refused there too."""
+    path = f"/apis/kvfleet.io/v1alpha1/namespaces/{NS}/modeldeployments/{MD}"
+    patch = "application/merge-patch+json"
+
+    def exposed_as(service_type: str) -> dict[str, Any]:
+        return {"spec": {"gateway": {"exposure": {"service": {"type": service_type}}}}}
+
+    kube(plane, "PATCH", path, exposed_as("NodePort"), patch)
+    try:
+
+        def node_port() -> int | None:
+            service = kube(plane, "GET", f"/api/v1/namespaces/{NS}/services/{MD}-gateway")
+            if service["spec"]["type"] != "NodePort":
+                return None
+            return next((int(p["nodePort"]) for p in service["spec"]["ports"] if p.get("nodePort")), None)
+
+        port = wait_for(node_port, "the gateway Service to become a NodePort", 120, plane)
+        base_url = f"http://{_node_address(plane)}:{port}/v1"
+        table, keys = _keys_and_table(plane)
+        tenant = "basic-a"  # examples/local: the tenant with a requests-per-minute limit, so headers
+        assert table.tenants[tenant].rate_limits.requests_per_minute, table.tenants[tenant]
+        client = openai.OpenAI(base_url=base_url, api_key=keys[tenant], max_retries=0, timeout=300)
+        raw = client.chat.completions.with_raw_response.create(
+            model=table.served_model_name,
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert raw.headers.get("x-ratelimit-limit-requests"), dict(raw.headers)
+        chunks = list(raw.parse())
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert usage is not None and not chunks[-1].choices, chunks[-1]
+        assert usage.completion_tokens >= 1 and usage.prompt_tokens >= 1 and text, (usage, text)
+        stranger = openai.OpenAI(base_url=base_url, api_key="kvf-" + "0" * 40, max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+    finally:
+        kube(plane, "PATCH", path, exposed_as("ClusterIP"), patch)
 
 
 def test_prometheus_discovers_every_pod_and_scrapes_per_tenant_series(
