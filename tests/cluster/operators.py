@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from audit import AuditLog, by_operator
 from cluster_helpers import apply_crds, create_namespace
 from devcluster import ControlPlane
 from test_operator_reconcile import (
@@ -281,3 +282,15 @@ def leftover_mutations(plane: ControlPlane, namespace: str, md: str = "qwen72b")
     config = dataclasses.replace(CONFIG, salt_master=base64.b64decode(master["data"]["master-key"]))
     mutations: int = reconcile(plane, namespace, md, config)[1]
     return mutations
+
+
+def assert_audited_quiet(plane: ControlPlane, replica: OperatorReplica) -> None:
+    """Converged, in the API server's own account: over two resync periods of ``replica`` (from now), the
+    audit log holds no write of the operator's ServiceAccount in its namespace but Lease renewals (and at
+    least one of those, so a log that is not being written cannot pass)."""
+    audit = AuditLog(plane.audit_log)
+    time.sleep(2 * replica.resync_seconds + 2)
+    writes = by_operator(audit.writes(), replica.namespace, user=operator_user(replica.namespace))
+    work = [w for w in writes if not w.is_lease]
+    assert not work, "a converged operator wrote:\n" + "\n".join(w.describe() for w in work)
+    assert any(w.is_lease for w in writes), "no Lease renewal in the audit log: is it being written?"

@@ -5,7 +5,8 @@ A Tenant is created and, at once, etcd and kube-apiserver are killed (kill -9) f
 leader's renew deadline. The leader cannot renew its Lease, so its watchdog ends it (exit status 3); the
 "kubelet" here restarts it, as Kubernetes would, and it waits as a standby until the API server answers
 again. Then it takes its own Lease back (same pod, same identity), and everything converges: the new
-Tenant is admitted and Ready, and one more reconcile has nothing left to do.
+Tenant is admitted and Ready, one more reconcile has nothing left to do, and the API server's audit log
+holds no write of the operator's ServiceAccount but its Lease over two resync periods.
 
 The test restarts the session's own control plane in place (same ports, same etcd data), so it runs last
 in its module and leaves the plane as it found it.
@@ -27,6 +28,7 @@ from operators import (
     EXAMPLE_TENANTS,
     Kubelet,
     OperatorReplica,
+    assert_audited_quiet,
     holder,
     leftover_mutations,
     prepare_namespace,
@@ -89,5 +91,6 @@ def test_the_operator_recovers_when_the_api_server_and_etcd_restart_mid_reconcil
         )
         assert holder(full_cluster, namespace) == "kvfleet-0"
         wait_for(lambda: leftover_mutations(full_cluster, namespace) == 0, timeout=60, what="converged")
+        assert_audited_quiet(full_cluster, replica)
         # The leader could not renew during the outage: it ended its term rather than risk a second writer.
         assert LOST_EXIT_CODE in kubelet.exits, (kubelet.exits, replica.log()[-3000:])

@@ -1,7 +1,9 @@
 """The operator killed at chosen points of a reconcile (``KVFLEET_FAULT_POINT``, handlers/faults.py), on the
 real control plane: it dies exactly there (exit status 86, and the state it left proves where), then a
 fresh operator (another replica: it waits for the dead one's Lease to expire) converges everything, with
-no orphan, no duplicate, no stuck finalizer. The random kills are in test_operator_process.py.
+no orphan, no duplicate, no stuck finalizer; converged is proven twice: one more reconcile plans no write,
+and the API server's audit log holds no write of the operator's ServiceAccount but its Lease over two
+resync periods of the fresh replica. The random kills are in test_operator_process.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from operators import (
     EXAMPLE_TENANTS,
     EXPECTED_CHILDREN,
     OperatorReplica,
+    assert_audited_quiet,
     leftover_mutations,
     prepare_namespace,
     tenants_ready,
@@ -64,12 +67,14 @@ def _key_secrets(plane: ControlPlane, namespace: str) -> dict[str, dict[str, str
 
 
 def _converge_with_a_fresh_operator(plane: ControlPlane, namespace: str, replica: Replicas) -> None:
-    replica("fresh").start()
+    fresh = replica("fresh")
+    fresh.start()
     wait_for(lambda: tenants_ready(plane, namespace), timeout=90, interval=0.5, what="tenants Ready")
     assert len(owned_children(plane, namespace, "qwen72b")) == EXPECTED_CHILDREN  # nothing extra
     keys = _key_secrets(plane, namespace)
     assert len(keys) == len(EXAMPLE_TENANTS), sorted(keys)  # one generated key per tenant, no duplicate
     wait_for(lambda: leftover_mutations(plane, namespace) == 0, timeout=30, what="nothing left to do")
+    assert_audited_quiet(plane, fresh)
 
 
 def test_the_fault_points_are_the_ones_tested() -> None:
