@@ -699,3 +699,48 @@ def test_events(
     before: list[dict[str, Any]], after: list[dict[str, Any]], events: list[tuple[str, str]]
 ) -> None:
     assert [(e["type"], e["reason"]) for e in st.compute_events(_raw_tenant(), before, after)] == events
+
+
+# --- the shared KV tier (spec.kvCache.shared) ------------------------------------------------------------
+
+
+def _md_with_tier() -> ModelDeployment:
+    doc = _raw_md()
+    doc["spec"]["kvCache"]["shared"] = {"enabled": True, "size": "1Gi"}
+    return ModelDeployment.model_validate(doc)
+
+
+@pytest.mark.parametrize(("tier_ready", "ready"), [(1, True), (0, False)], ids=["tier-up", "tier-down"])
+def test_a_shared_tier_that_is_down_keeps_the_model_deployment_and_its_shared_tenants_not_ready(
+    tier_ready: int, ready: bool
+) -> None:
+    """The shared pool's replicas read and write the tier: with its server down, neither the
+    ModelDeployment nor a tenant of the shared pool is Ready, and the message says what is missing."""
+    md = _md_with_tier()
+    children = [_sts("tiny-engine", 1), _deploy("tiny-gateway", 1), _deploy("tiny-shared-tier", tier_ready)]
+    tier = st.shared_tier_readiness(md, children)
+    assert tier == WorkloadReadiness(wanted=1, ready=tier_ready)
+    status = st.compute_model_deployment_status(
+        md, CAPACITY, [], UP, UP, ENDPOINT, None, NOW, shared_tier=tier
+    )
+    assert (_ready(status)["status"] == "True") is ready
+    assert ("the shared KV tier is not" in _ready(status)["message"]) is not ready
+    assert st.compute_tenant_pool_ready(md, _tenant(), ADMITTED, children) is ready
+    # A dedicated pool never uses the tier: its tenant does not wait for it.
+    dedicated = [*children, _sts("tiny-dedicated-t-engine", 2)]
+    assert st.compute_tenant_pool_ready(md, _tenant(dedicated=True), DEDICATED, dedicated) is True
+
+
+def test_without_a_shared_tier_nothing_waits_for_one() -> None:
+    assert st.shared_tier_readiness(_md(), [_sts("tiny-engine", 1), _deploy("tiny-gateway", 1)]) is None
+
+
+def test_served_statuses_wait_for_the_shared_tier() -> None:
+    md = _md_with_tier()
+    raw_md = md.model_dump(by_alias=True, mode="json", exclude_none=True)
+    decisions = [TenantDecision("t", True, reasons.ADMITTED, "", "shared", QUOTA)]
+    children = [_sts("tiny-engine", 1), _deploy("tiny-gateway", 1), _deploy("tiny-shared-tier", 0)]
+    writes = st.compute_served_statuses(
+        raw_md, md, CAPACITY, decisions, None, ENDPOINT, children, {"t": _raw_tenant()}, [_tenant()], {}, NOW
+    )
+    assert [_ready(w.status)["status"] for w in writes] == ["False", "False"]

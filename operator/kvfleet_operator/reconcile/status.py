@@ -27,8 +27,15 @@ from kvfleet_operator.api.modeldeployment import (
     TieredCapacity,
 )
 from kvfleet_operator.api.tenant import ApiKeyFingerprints, ResolvedQuota
-from kvfleet_operator.build.common import SHARED_POOL, engine_name, gateway_name, selector_labels
+from kvfleet_operator.build.common import (
+    SHARED_POOL,
+    engine_name,
+    gateway_name,
+    selector_labels,
+    shared_tier_name,
+)
 from kvfleet_operator.build.keys import KeyResolution, api_key_secret_ref
+from kvfleet_operator.build.shared_tier import shared_tier_bytes
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admitted_terms, requested_terms
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile.capacity import EngineCapacity
@@ -59,6 +66,14 @@ class WorkloadReadiness:
 def readiness_of(obj: Obj | None, wanted: int) -> WorkloadReadiness:
     ready_replicas = int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
     return WorkloadReadiness(wanted=wanted, ready=ready_replicas)
+
+
+def shared_tier_readiness(md: ModelDeployment, children: Sequence[Obj]) -> WorkloadReadiness | None:
+    """The shared KV tier's one server (``spec.kvCache.shared``), from its live Deployment; ``None`` when
+    the ModelDeployment has no tier. The shared pool's replicas use it: no pool is ready without it."""
+    if not shared_tier_bytes(md):
+        return None
+    return readiness_of(_live(children, "Deployment", shared_tier_name(str(md.metadata["name"]))), 1)
 
 
 def problem(reason: str, message: str) -> ConditionUpdate:
@@ -146,6 +161,7 @@ def compute_model_deployment_status(
     exposure: str | None = None,
     engine: EngineCapacity | None = None,
     capacity_note: str | None = None,
+    shared_tier: WorkloadReadiness | None = None,
 ) -> Obj:
     """The whole status of ``md`` as it goes on the wire (camelCase). ``placement``: why no node can run
     the shared pool's engine pods (``placement.compute_placement_problems``), reported while they are not
@@ -153,13 +169,14 @@ def compute_model_deployment_status(
     (``steps.withhold_exposure``): ``Degraded`` says so unless something worse degrades it; ``Ready`` is
     the workloads' (the gateway still serves in the cluster). ``engine``: planned vs reported KV blocks
     (``reconcile/capacity.py``; ``capacity`` is already the figure admission used); ``capacity_note``: why
-    the engines hold fewer blocks than planned (``CapacityBelowPlan``, ``Degraded`` like ``exposure``)."""
+    the engines hold fewer blocks than planned (``CapacityBelowPlan``, ``Degraded`` like ``exposure``);
+    ``shared_tier``: the shared KV tier's server, when there is one (``Ready`` waits for it too)."""
     generation = int(md.metadata.get("generation", 0))
     current = md.status.model_dump(by_alias=True, mode="json")["conditions"] if md.status else []
     name = str(md.metadata["name"])
     if problem is not None:
         updates = failed(problem.reason, problem.message)
-    elif engines.is_ready and gateway.is_ready:
+    elif engines.is_ready and gateway.is_ready and (shared_tier is None or shared_tier.is_ready):
         updates = ready(reasons.READY, f"{engines.ready} engine replica(s) and the gateway serve {endpoint}.")
     elif placement is not None and not engines.is_ready:
         updates = unplaceable(placement)
@@ -167,7 +184,12 @@ def compute_model_deployment_status(
         updates = progressing(
             reasons.WAITING_FOR_REPLICAS,
             f"{engines.ready}/{engines.wanted} engine replicas and {gateway.ready}/{gateway.wanted} gateway "
-            "replicas are ready.",
+            "replicas are ready"
+            + (
+                "; the shared KV tier is not."
+                if shared_tier is not None and not shared_tier.is_ready
+                else "."
+            ),
         )
     if exposure is not None and problem is None:
         updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
@@ -375,6 +397,9 @@ def compute_tenant_pool_ready(
         engines = readiness_of(
             _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
         )
+        tier = shared_tier_readiness(md, children)
+        if tier is not None and not tier.is_ready:
+            return False
     return engines.is_ready and gateway.is_ready
 
 
@@ -431,6 +456,7 @@ def compute_served_statuses(
                 exposure,
                 engine,
                 capacity_note,
+                shared_tier_readiness(md, children),
             ),
         )
     ]
