@@ -14,6 +14,7 @@ under ``WORKDIR`` (25 GB with ``--warm-images``).
 
     .venv/bin/python benchmarks/ci_cold.py run WORKDIR [--warm-images] [--results PATH]  # about 1.5 hours
     .venv/bin/python benchmarks/ci_cold.py parse LOG [--results PATH]     # the figures of a logged run
+    .venv/bin/python benchmarks/ci_cold.py parse LOG --command "CI=true .ci/run"  # a log made another way
 
 Figures: ``total_s`` (first line to last); ``bootstrap_s``, ``provision_s`` (every provisioning step, the
 lanes side by side), ``lint_s`` (ruff, mypy, import contracts) and ``tests_s`` (pytest), which add up to
@@ -190,6 +191,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parse_p = sub.add_parser("parse", help="the figures of a log written by 'run'")
     parse_p.add_argument("log", type=Path)
     parse_p.add_argument("--exit-status", type=int, default=None, help="the run's exit status, if known")
+    parse_p.add_argument(
+        "--command",
+        dest="command_run",
+        default=None,
+        help="the command that produced LOG, for the results file (default: this script's run), e.g. "
+        "`CI=true .ci/run` on a fresh machine with its output time-stamped",
+    )
     for p in (run_p, parse_p):
         add_results_argument(p, NAME)
         p.add_argument("--load-note", default="", help="how busy the machine was (written to the file)")
@@ -204,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if status is not None:
         details["exit_status"] = status
     command = ".venv/bin/python benchmarks/ci_cold.py run WORKDIR"
+    if args.command == "parse" and args.command_run:
+        command = args.command_run
     if args.command == "run":
         machine = Machine.here(load, note=args.load_note)
     else:  # the load while the logged run ran is not in the log: say what the caller knows

@@ -4,6 +4,7 @@ hack/build-cluster.sh's Go timings, pytest's summary."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from ci_cold import LIMIT_S, figures_of, parse_log
+from ci_cold import LIMIT_S, figures_of, main, parse_log
 
 pytestmark = pytest.mark.unit
 
@@ -82,3 +83,20 @@ def test_lanes_steps_overlap_and_provisioning_counts_once() -> None:
 def test_a_log_without_time_stamps_is_refused() -> None:
     with pytest.raises(ValueError, match="no time-stamped line"):
         parse_log(["==> ruff", "All checks passed!"])
+
+
+def test_parse_records_the_command_that_made_the_log(tmp_path: Path) -> None:
+    """A log made by hand (``CI=true .ci/run`` on a fresh machine, time-stamped) is recorded with that
+    command, not with this script's ``run``; without ``--command`` the results name the script's run."""
+    log = tmp_path / "log"
+    log.write_text(LANES_LOG)
+    for extra, command in (
+        (["--command", "CI=true .ci/run"], "CI=true .ci/run"),
+        ([], ".venv/bin/python benchmarks/ci_cold.py run WORKDIR"),
+    ):
+        out = tmp_path / "ci_cold.json"
+        assert main(["parse", str(log), "--exit-status", "0", "--results", str(out), *extra]) == 0
+        results = json.loads(out.read_text())
+        assert results["command"] == command
+        assert results["details"]["exit_status"] == 0
+        assert results["figures"]["total_s"]["median"] == 4800
