@@ -421,6 +421,36 @@ def render_gateway(f: Files, name: str) -> str:
     return text
 
 
+FAILED_TRY = " \u2717"
+
+
+def render_gateway_sweep(f: Files, name: str) -> str:
+    """The rate sweep step by step: per rate, each proxy's added p99 in every try it took (a try passes
+    under the bound with no error and 95% of the rate achieved; the best try counts, the sweep stops at
+    a rate no try passed)."""
+    r = f[name]
+    sweep = detail(r, "sweep")
+    rates = detail(r, "sweep_rates")
+    assert isinstance(sweep, dict) and isinstance(rates, list), f"{name}: no sweep in its details"
+    rows_of = {p: label for p, label in _gateway_rows(r).items() if p in sweep}
+    header = ["rate (req/s)", *(f"{label}: added p99 per try (ms)" for label in rows_of.values())]
+    rows = []
+    for i, rate in enumerate(rates):
+        cells = []
+        for proxy in rows_of:
+            steps = sweep[proxy]["steps"]
+            if i >= len(steps):
+                cells.append("(stopped)")
+                continue
+            tries = [num(t["added_p99_ms"], 1) + ("" if t["ok"] else FAILED_TRY) for t in steps[i]]
+            cells.append(", ".join(tries))
+        rows.append([num(float(rate)), *cells])
+    return (
+        table(header, rows)
+        + "\n\n\u2717: the try failed (added p99 over the bound, an error, or under 95% of the rate)."
+    )
+
+
 def render_gateway_ttft(f: Files) -> str:
     r = f["gateway_ttft"]
     rows = [
@@ -813,6 +843,8 @@ BLOCKS: dict[str, Block] = {
     "gateway_loaded": Block(("gateway_loaded",), lambda f: render_gateway(f, "gateway_loaded")),
     "gateway": Block(("gateway",), lambda f: render_gateway(f, "gateway")),
     "gateway_ttft": Block(("gateway_ttft",), render_gateway_ttft),
+    "gateway_knee": Block(("gateway_knee",), lambda f: render_gateway(f, "gateway_knee")),
+    "gateway_knee_sweep": Block(("gateway_knee",), lambda f: render_gateway_sweep(f, "gateway_knee")),
     "soak": Block(("soak_fake", "soak_vllm"), render_soak),
     "plugin_noisy_neighbour": Block(("plugin_noisy_neighbour",), render_plugin_noisy_neighbour),
     "plugin_scheduler_cost": Block(("plugin_scheduler_cost",), render_plugin_scheduler_cost),
