@@ -181,15 +181,11 @@ def compute_model_deployment_status(
     elif placement is not None and not engines.is_ready:
         updates = unplaceable(placement)
     else:
+        tier_down = shared_tier is not None and not shared_tier.is_ready
         updates = progressing(
             reasons.WAITING_FOR_REPLICAS,
             f"{engines.ready}/{engines.wanted} engine replicas and {gateway.ready}/{gateway.wanted} gateway "
-            "replicas are ready"
-            + (
-                "; the shared KV tier is not."
-                if shared_tier is not None and not shared_tier.is_ready
-                else "."
-            ),
+            "replicas are ready" + ("; the shared KV tier is not." if tier_down else "."),
         )
     if exposure is not None and problem is None:
         updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
