@@ -17,7 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from kvfleet_operator import metrics as operator_metrics
 from kvfleet_runtime.engine.lmcache_sync import KV_TIER_LABEL, LMCacheSyncMetrics
 from kvfleet_runtime.engine.metrics import PoolSnapshot, TenantSnapshot, build_metric_families
-from kvfleet_runtime.gateway.metrics import SLA_TIER_LABEL, GatewayMetrics
+from kvfleet_runtime.gateway.metrics import SLA_TIER_LABEL, GatewayMetrics, LocalCollector
 
 #: Labels Prometheus adds to every scraped series (ServiceMonitor/PodMonitor targets), and ``le``.
 TARGET_LABELS = frozenset({"namespace", "instance", "job", "pod", "service", "container", "endpoint", "le"})
@@ -25,16 +25,20 @@ _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum",
 
 
 def _wrapper_labels(metrics: Iterable[object]) -> dict[str, frozenset[str]]:
-    """Exposed sample name -> label names of prometheus_client metric objects."""
+    """Exposed sample name -> label names of prometheus_client metric objects (and of the gateway's
+    request-path families, which a ``LocalCollector`` exposes)."""
     out: dict[str, frozenset[str]] = {}
     for metric in metrics:
-        if not isinstance(metric, MetricWrapperBase):
+        if isinstance(metric, LocalCollector):
+            defined = [(f.name, f.kind, frozenset(f.labelnames)) for f in metric.families]
+        elif isinstance(metric, MetricWrapperBase):
+            # prometheus_client has no public accessor for a metric's name, type and label names.
+            defined = [(metric._name, metric._type, frozenset(metric._labelnames))]
+        else:
             continue
-        # prometheus_client has no public accessor for a metric's name, type and label names.
-        name, kind = metric._name, metric._type
-        labels = frozenset(metric._labelnames)
-        for suffix in _SUFFIXES.get(kind, ("",)):
-            out[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+        for name, kind, labels in defined:
+            for suffix in _SUFFIXES.get(kind, ("",)):
+                out[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
     return out
 
 

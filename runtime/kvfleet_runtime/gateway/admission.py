@@ -50,7 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvfleet_runtime.kv.fairness import FairQueue, Ticket, TokenCost
 
@@ -89,7 +89,12 @@ class TokenBucket:
 
     ``per_minute`` may be fractional (a replica's share of a small limit): a bucket smaller than one
     request still admits one whenever it is full, so the long-run rate is exact.
+
+    Every method refills first (``_refill``, written out in the ones the request path calls: they run
+    several times per request).
     """
+
+    __slots__ = ("_clock", "_full_text", "_stamp", "capacity", "level", "rate")
 
     def __init__(self, per_minute: float, clock: Clock = time.monotonic) -> None:
         self._clock = clock
@@ -97,30 +102,48 @@ class TokenBucket:
         self.rate = per_minute / 60.0
         self.level = self.capacity
         self._stamp = clock()
+        #: ``header_values``'s remaining tokens of a full bucket.
+        self._full_text = str(int(self.capacity))
 
     def _refill(self) -> None:
         now = self._clock()
-        self.level = min(self.capacity, self.level + (now - self._stamp) * self.rate)
+        level = self.level + (now - self._stamp) * self.rate
+        self.level = level if level < self.capacity else self.capacity
         self._stamp = now
 
     def wait_for(self, amount: float) -> float:
         """Seconds until ``amount`` would fit (0: it fits now); takes nothing."""
-        self._refill()
-        if self.level >= amount or (amount > self.capacity and self.level >= self.capacity):
+        now = self._clock()
+        capacity = self.capacity
+        level = self.level + (now - self._stamp) * self.rate
+        level = min(level, capacity)
+        self.level = level
+        self._stamp = now
+        if level >= amount or (amount > capacity and level >= capacity):
             return 0.0
-        return (min(amount, self.capacity) - self.level) / self.rate
+        return ((amount if amount < capacity else capacity) - level) / self.rate
 
     def try_take(self, amount: float) -> float:
         """Take ``amount`` and return 0, or take nothing and return the seconds until it would fit."""
-        wait = self.wait_for(amount)
-        if wait == 0.0:
-            self.level -= amount
-        return wait
+        now = self._clock()
+        capacity = self.capacity
+        level = self.level + (now - self._stamp) * self.rate
+        level = min(level, capacity)
+        self._stamp = now
+        if level >= amount or (amount > capacity and level >= capacity):
+            self.level = level - amount
+            return 0.0
+        self.level = level
+        return ((amount if amount < capacity else capacity) - level) / self.rate
 
     def adjust(self, delta: float) -> None:
         """Charge ``delta`` more (negative: refund). The level may go negative (debt), never above full."""
-        self._refill()
-        self.level = min(self.capacity, self.level - delta)
+        now = self._clock()
+        capacity = self.capacity
+        level = self.level + (now - self._stamp) * self.rate
+        level = (level if level < capacity else capacity) - delta
+        self.level = level if level < capacity else capacity
+        self._stamp = now
 
     def set_per_minute(self, per_minute: float) -> None:
         """Change the rate on a config reload, keeping what is left (capped at the new capacity)."""
@@ -128,10 +151,28 @@ class TokenBucket:
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
         self.level = min(self.level, self.capacity)
+        self._full_text = str(int(self.capacity))
 
     def seconds_to_full(self) -> float:
         self._refill()
         return max(0.0, (self.capacity - self.level) / self.rate)
+
+    def header_values(self) -> tuple[str, str]:
+        """What ``x-ratelimit-remaining-*`` and ``x-ratelimit-reset-*`` say now: the whole tokens left, and
+        the time until the bucket is full (``format_reset``)."""
+        now = self._clock()
+        capacity = self.capacity
+        level = self.level + (now - self._stamp) * self.rate
+        self._stamp = now
+        if level >= capacity:  # a tenant well within its limit: the usual case, nothing to format
+            self.level = capacity
+            return self._full_text, "0s"
+        self.level = level
+        left = (capacity - level) / self.rate
+        return (
+            str(int(level)) if level > 0 else "0",
+            f"{round(left, 3):g}s" if left < 60 else format_reset(left),
+        )
 
 
 def format_reset(seconds: float) -> str:
@@ -159,9 +200,9 @@ class BudgetLimits:
     default_max_tokens: int = 256
 
 
-@dataclass(frozen=True)
-class RequestBudget:
-    """What admission charges for one request (see ``plan_request_budget``)."""
+class RequestBudget(NamedTuple):
+    """What admission charges for one request (see ``plan_request_budget``). Built for every request: a
+    named tuple, which is immutable and several times cheaper to build than a frozen dataclass."""
 
     sequences: int
     prompt_tokens: int
@@ -311,7 +352,11 @@ class GateSlot:
     def settle_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
         """The engine's ``usage`` of the finished answer: reconciles tokens per minute and charges the
         tenant's fair-queuing counter (input corrected, output added)."""
-        self.reconcile_tokens(prompt_tokens + completion_tokens)
+        actual = prompt_tokens + completion_tokens
+        tpm = self._gate.tpm
+        if tpm is not None:
+            tpm.adjust(actual - self.token_estimate)
+        self.token_estimate = actual
         if self.engine is not None:
             self.engine.settle(prompt_tokens, completion_tokens)
 
@@ -344,6 +389,7 @@ class TenantGate:
     def update_limits(self, limits: GateLimits) -> None:
         """Apply new limits (hot reload) without losing in-flight accounting or bucket levels."""
         self.limits = limits
+        self._concurrency_share = limits.concurrency_share
         self.rpm = self._bucket(self.rpm, limits.requests_share)
         self.tpm = self._bucket(self.tpm, limits.tokens_share)
         # What ``rate_limit_headers`` writes for each bucket that is set; the limit's text only changes
@@ -383,19 +429,16 @@ class TenantGate:
         """OpenAI's ``x-ratelimit-*`` headers for this replica's buckets (a trio per limit that is set)."""
         headers: dict[str, str] = {}
         for bucket, (limit, remaining, reset), limit_text in self._header_plan:
-            left = bucket.seconds_to_full()  # refills: the level below is current
             headers[limit] = limit_text
-            headers[remaining] = str(max(0, int(bucket.level)))
-            headers[reset] = format_reset(left)
+            headers[remaining], headers[reset] = bucket.header_values()
         return headers
 
     def _blocker(self, kv_tokens: int) -> str | None:
         """Why a request of ``kv_tokens`` cannot start now (``None``: it can)."""
-        limits = self.limits
-        concurrency = limits.concurrency_share
+        concurrency = self._concurrency_share
         if concurrency is not None and self.in_flight >= concurrency:
             return "concurrency"
-        budget = limits.kv_budget_tokens
+        budget = self.limits.kv_budget_tokens
         if budget is not None and self.in_flight > 0 and self.kv_in_flight + kv_tokens > budget:
             return "kv_budget"
         return None
@@ -414,14 +457,24 @@ class TenantGate:
         self, token_estimate: int, kv_tokens: int, engine: EngineRequest | None = None
     ) -> GateSlot:
         """Admit a request or raise ``Throttled``; may wait in the tenant's queue (bounded), then, with
-        ``engine``, for room on the pool's engines (``EngineQueue``, bounded by the same wait)."""
-        slot = await self._acquire_tenant(token_estimate, kv_tokens)
+        ``engine``, for room on the pool's engines (``EngineQueue``, bounded by the same wait).
+
+        A request that finds room in both (nothing waits ahead of it) is admitted without suspending:
+        the usual case makes no future and awaits nothing."""
+        slot = self._admit_now(token_estimate, kv_tokens)
+        if slot is None:
+            slot = await self._wait_for_room(token_estimate, kv_tokens)
         if engine is None:
+            return slot
+        queue = engine.queue
+        now = queue.dispatch_now(engine)
+        if now is not None:
+            slot.engine = now
             return slot
         # One wait bound for both queues: what the tenant's own queue took is not given again.
         wait_s = max(0.0, self.limits.max_queue_wait_s - slot.queued_s)
         try:
-            slot.engine = await engine.queue.acquire(engine, wait_s, self.limits.max_queue)
+            slot.engine = await queue.acquire(engine, wait_s, self.limits.max_queue)
         except BaseException:
             self._refund(token_estimate)
             slot.release()
@@ -429,7 +482,9 @@ class TenantGate:
         slot.queued_s += slot.engine.queued_s
         return slot
 
-    async def _acquire_tenant(self, token_estimate: int, kv_tokens: int) -> GateSlot:
+    def _admit_now(self, token_estimate: int, kv_tokens: int) -> GateSlot | None:
+        """Charge the rate buckets (``Throttled`` when one is short) and take a slot when one is free and
+        nobody waits for it; ``None``: the request must wait (``_wait_for_room``)."""
         if self.rpm is not None:
             wait = self.rpm.try_take(1)
             if wait > 0:
@@ -447,11 +502,15 @@ class TenantGate:
                     f"{self.limits.describe(self.limits.tokens_per_minute, 'tokens per minute')} "
                     f"(this request is estimated at {token_estimate} tokens)",
                 )
-        blocker = self._blocker(kv_tokens)
-        if blocker is None and not self._waiters:
-            self._grant(kv_tokens)
+        if not self._waiters and self._blocker(kv_tokens) is None:
+            self.in_flight += 1
+            self.kv_in_flight += kv_tokens
             return GateSlot(self, kv_tokens, token_estimate, 0.0)
-        reason = blocker or "concurrency"
+        return None
+
+    async def _wait_for_room(self, token_estimate: int, kv_tokens: int) -> GateSlot:
+        """Wait in the tenant's queue (bounded in length and time) for a slot; the buckets are charged."""
+        reason = self._blocker(kv_tokens) or "concurrency"
         if self.queued >= self.limits.max_queue:
             self._refund(token_estimate)
             raise Throttled(reason, 1.0, self._queue_message(reason, "the tenant's queue is full"))
@@ -510,9 +569,8 @@ class TenantGate:
 
 
 # -- the engines' in-flight limit, in fair order ------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineRequest:
-    """What ``EngineQueue`` needs to know of one request."""
+class EngineRequest(NamedTuple):
+    """What ``EngineQueue`` needs to know of one request (a named tuple: built for every request)."""
 
     queue: EngineQueue
     tenant: str
@@ -527,7 +585,9 @@ class EngineSlot:
 
     __slots__ = ("_queue", "_ticket", "queued_s")
 
-    def __init__(self, queue: EngineQueue, ticket: Ticket[asyncio.Future[None]], queued_s: float) -> None:
+    def __init__(
+        self, queue: EngineQueue, ticket: Ticket[asyncio.Future[None] | None], queued_s: float
+    ) -> None:
         self._queue = queue
         self._ticket = ticket
         self.queued_s = queued_s
@@ -551,7 +611,8 @@ class EngineQueue:
         cost: TokenCost | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.fair: FairQueue[asyncio.Future[None]] = FairQueue(limit, cost, fair=fair)
+        #: A ticket's item is the future its waiter awaits (``None``: dispatched at once, nobody waits).
+        self.fair: FairQueue[asyncio.Future[None] | None] = FairQueue(limit, cost, fair=fair)
         self._clock = clock
         self._held: dict[str, int] = {}
 
@@ -572,16 +633,21 @@ class EngineQueue:
         self.fair.set_limit(limit)
         self._dispatch()
 
+    def dispatch_now(self, request: EngineRequest) -> EngineSlot | None:
+        """Room on the engines now, when nothing waits and the limit has room (the common case: no
+        future, no queueing); ``None``: ``acquire`` it."""
+        now = self.fair.dispatch_now(
+            request.tenant, request.rank, request.weight, request.prompt_tokens, None
+        )
+        return None if now is None else EngineSlot(self, now, 0.0)
+
     async def acquire(self, request: EngineRequest, max_wait_s: float, max_held: int) -> EngineSlot:
         """Room on the engines, at once or after waiting at most ``max_wait_s`` behind at most ``max_held``
         other held requests of the same tenant; else ``Throttled`` with reason ``engine_queue``."""
+        now = self.dispatch_now(request)
+        if now is not None:
+            return now
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        now = self.fair.dispatch_now(
-            request.tenant, request.rank, request.weight, request.prompt_tokens, future
-        )
-        if now is not None:  # nothing waits and there is room: the common case costs no queueing
-            future.set_result(None)
-            return EngineSlot(self, now, 0.0)
         ticket = self.fair.push(request.tenant, request.rank, request.weight, request.prompt_tokens, future)
         self._dispatch()
         if future.done():
@@ -623,7 +689,7 @@ class EngineQueue:
                 del self._held[request.tenant]
         return EngineSlot(self, ticket, self._clock() - start)
 
-    def finish(self, ticket: Ticket[asyncio.Future[None]]) -> None:
+    def finish(self, ticket: Ticket[asyncio.Future[None] | None]) -> None:
         self.fair.finish(ticket)
         self._dispatch()
 
@@ -632,6 +698,7 @@ class EngineQueue:
             return
         for ticket in self.fair.drain():
             future = ticket.item
+            assert future is not None  # only waiting tickets are drained, and each has its future
             if future.done():  # its waiter was cancelled and has not run its handler yet
                 self.fair.undo(ticket)
                 continue

@@ -12,7 +12,7 @@ connection wrapped in a ``_Guard`` protocol that:
   first request and from the request's first byte after that (Go's ``ReadHeaderTimeout``); a request
   that is late gets a ``408`` and its connection is closed;
 * learns that a request's headers are complete when the blank line that ends them arrives, and that the
-  connection is between requests when the app starts a response (``ConnectionGuards.on_response_prepare``,
+  connection is between requests when the app starts a response (``ConnectionGuards.response_prepared``,
   registered on the app), after which the next byte starts the next request's header clock;
 * once ``closing`` is set (the gateway is draining on SIGTERM), marks every answer ``Connection: close``
   and closes its connection after it, so clients retire their keep-alive connections to this process
@@ -152,12 +152,13 @@ class ConnectionGuards:
             guard.header_timeout()
         self._sweeper = asyncio.get_running_loop().call_later(self.sweep_interval_s, self._sweep)
 
-    async def on_response_prepare(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
-        """An ``app.on_response_prepare`` receiver: the request's connection is between requests now
-        (and, while draining, is closed after this answer)."""
+    def response_prepared(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """For the app's ``on_response_prepare`` receiver to call (the gateway has one receiver for all it
+        does there): the request's connection is between requests now (and, while draining, is closed
+        after this answer)."""
         guard = self.by_protocol.get(request.protocol)
-        if guard is not None:
-            guard.response_started()
+        if guard is not None and guard._state == _REQUEST:  # its next byte starts the next request
+            guard._state = _IDLE
         if self.closing:
             # The headers are written after this hook, so the client is told; force_close makes
             # aiohttp close the connection when the answer ends.
@@ -209,18 +210,22 @@ class _Guard(asyncio.Protocol):
     def state(self) -> int:
         return self._state
 
-    def response_started(self) -> None:
-        if self._state == _REQUEST:
-            self._state = _IDLE
-
     def data_received(self, data: bytes) -> None:
         state = self._state
         if state != _REQUEST:
             if self._refused:
                 return
             if state == _IDLE:
-                self._begin_headers()
-            self._scan(data)
+                if data[:1] not in b"\r\n" and (b"\r\n\r\n" in data or b"\n\n" in data):
+                    # The usual next request on a keep-alive connection: its whole header block in one
+                    # read. ``_begin_headers`` then ``_scan`` would end where this does (the header
+                    # clock, the tail and the deadline are as ``_end_headers`` left them).
+                    self._state = _REQUEST
+                else:
+                    self._begin_headers()
+                    self._scan(data)
+            else:
+                self._scan(data)
         self._inner.data_received(data)
 
     def _scan(self, data: bytes) -> None:

@@ -45,13 +45,13 @@ template. It is reconciled with ``usage`` afterwards.
 
 from __future__ import annotations
 
+import itertools
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from kvfleet_runtime.gateway.admission import BudgetLimits, RequestBudget, plan_request_budget
 
@@ -68,6 +68,11 @@ STRIPPED_BODY_FIELDS: Final = (
 FORWARDED_HEADERS: Final = ("Content-Type", "Accept")
 TENANT_HEADER: Final = "X-Kvfleet-Tenant"
 REQUEST_ID_HEADER: Final = "X-Request-Id"
+#: Headers on every request the gateway sends an engine (its client session's defaults): its own
+#: ``User-Agent`` (no library or Python version), and ``Accept-Encoding: identity``, since answers are
+#: relayed as they come, without their ``Content-Encoding``, so an engine must not compress them. With
+#: both set, aiohttp adds neither default itself, which is the cheap way through its request path.
+UPSTREAM_SESSION_HEADERS: Final = {"User-Agent": "kvfleet-gateway", "Accept-Encoding": "identity"}
 TENANT_XARG: Final = "kvfleet_tenant"
 REQUEST_ID_PREFIX: Final = "kvf_"
 #: Chat templates add a few tokens per message (role markers); counted so the estimate is not low.
@@ -79,6 +84,11 @@ MAX_JSON_DEPTH: Final = 64
 MAX_SEQUENCES: Final = 128
 
 _REQUEST_ID_RE = re.compile(r"(?:^|-)kvf_([a-z0-9][a-z0-9.-]*)_[0-9a-f]{32}(?:[-_]|$)")
+#: ``build_request_id``'s random per-process half, and its counter.
+_REQUEST_ID_PROCESS: Final = os.urandom(8).hex()
+_request_count = itertools.count()
+#: The upstream body's serialiser, built once (``json.dumps`` with these options builds one per call).
+_UPSTREAM_JSON: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 class Endpoint(StrEnum):
@@ -102,9 +112,9 @@ class ModelNotAllowed(BadRequest):
     """The tenant may not use the requested model (a 403)."""
 
 
-@dataclass(frozen=True)
-class ParsedRequest:
-    """What the gateway needs to know about a validated request."""
+class ParsedRequest(NamedTuple):
+    """What the gateway needs to know about a validated request (a named tuple: immutable, and cheap to
+    build on every request)."""
 
     body: dict[str, Any]
     model: str
@@ -171,39 +181,49 @@ def _check_text(text: str) -> None:
 
 
 def _text_tokens(value: Any) -> int:
-    """Estimated tokens of every string in ``value`` (see the module docstring)."""
-    if isinstance(value, str):
-        if value.isascii():
-            return math.ceil(len(value) / CHARS_PER_TOKEN)
-        other = len(value) - len(value.encode("ascii", "ignore"))
-        return math.ceil((len(value) - other) / CHARS_PER_TOKEN) + other
-    if isinstance(value, list):
-        return sum(_text_tokens(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_tokens(v) for v in value.values())
-    return 0
+    """Estimated tokens of every string in ``value`` (see the module docstring). Iterative: one call per
+    request, not one per node."""
+    total = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if node.isascii():
+                total += -(-len(node) // CHARS_PER_TOKEN)
+            else:
+                other = len(node) - len(node.encode("ascii", "ignore"))
+                total += -(-(len(node) - other) // CHARS_PER_TOKEN) + other
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+    return total
+
+
+#: The fields of an object whose text makes the affinity prefix, in order.
+_PREFIX_FIELDS: Final = ("role", "content", "text", "type")
+_PREFIX_FIELDS_REVERSED: Final = tuple(reversed(_PREFIX_FIELDS))
 
 
 def _text_prefix(value: Any, limit: int, out: list[str]) -> int:
-    """Append strings from ``value`` in order until ``limit`` characters are collected."""
-    if limit <= 0:
-        return 0
-    if isinstance(value, str):
-        out.append(value[:limit])
-        return limit - min(limit, len(value))
-    if isinstance(value, list):
-        for v in value:
-            limit = _text_prefix(v, limit, out)
-        return limit
-    if isinstance(value, dict):
-        for k in ("role", "content", "text", "type"):
-            if k in value:
-                limit = _text_prefix(value[k], limit, out)
-        return limit
-    if isinstance(value, int):
-        out.append(f"{value},")
-        return limit - 1
-    return limit
+    """Append strings from ``value`` in order until ``limit`` characters are collected (integers count as
+    one character each); returns what is left of ``limit``. Iterative, in document order."""
+    stack = [value]
+    while stack and limit > 0:
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node[:limit])
+            limit -= len(node) if len(node) < limit else limit
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            for key in _PREFIX_FIELDS_REVERSED:
+                if key in node:
+                    stack.append(node[key])
+        elif isinstance(node, int):
+            out.append(f"{node},")
+            limit -= 1
+    return limit if limit > 0 else 0
 
 
 def compute_affinity_text(body: dict[str, Any], endpoint: Endpoint, limit: int) -> str:
@@ -301,8 +321,11 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
 
 
 def build_request_id(tenant: str) -> str:
-    """The ``X-Request-Id`` that tags a request with its tenant (see the module docstring)."""
-    return f"{REQUEST_ID_PREFIX}{tenant}_{os.urandom(16).hex()}"
+    """The ``X-Request-Id`` that tags a request with its tenant (see the module docstring). Its 32 hex
+    digits are this process's random 64-bit prefix and a 64-bit count: unique among the process's
+    requests by construction and across gateway replicas with the odds of the prefixes colliding, with
+    no system call per request."""
+    return f"{REQUEST_ID_PREFIX}{tenant}_{_REQUEST_ID_PROCESS}{next(_request_count):016x}"
 
 
 def parse_tenant_from_request_id(request_id: str) -> str | None:
@@ -334,7 +357,8 @@ def build_upstream_body(
 
 
 def build_upstream_headers(tenant: str, request_id: str, incoming: Any) -> dict[str, str]:
-    """Headers for the engine: the allowlisted client headers plus the tenant tags."""
+    """Headers for the engine: the allowlisted client headers plus the tenant tags (the client session
+    adds ``UPSTREAM_SESSION_HEADERS``)."""
     headers = {h: incoming[h] for h in FORWARDED_HEADERS if h in incoming}
     headers.setdefault("Content-Type", "application/json")
     headers[REQUEST_ID_HEADER] = request_id
@@ -343,7 +367,9 @@ def build_upstream_headers(tenant: str, request_id: str, incoming: Any) -> dict[
 
 
 def extract_usage(payload: Any) -> tuple[int, int, int] | None:
-    """(prompt, completion, cached prompt) tokens from a response or chunk's ``usage``, if present."""
+    """(prompt, completion, cached prompt) tokens from a response or chunk's ``usage``, if present; a
+    count that is not a non-negative integer reads as 0 (``type(x) is int``: JSON gives no int subclass
+    but ``bool``, which is not a count)."""
     if not isinstance(payload, dict):
         return None
     usage = payload.get("usage")
@@ -353,11 +379,11 @@ def extract_usage(payload: Any) -> tuple[int, int, int] | None:
     completion = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (_as_count(prompt), _as_count(completion), _as_count(cached))
-
-
-def _as_count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return (
+        prompt if type(prompt) is int and prompt >= 0 else 0,
+        completion if type(completion) is int and completion >= 0 else 0,
+        cached if type(cached) is int and cached >= 0 else 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -372,9 +398,9 @@ class RequestPolicy:
     budget: BudgetLimits
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request, its budget and the exact bytes to send upstream."""
+class PreparedRequest(NamedTuple):
+    """A validated request, its budget and the exact bytes to send upstream (a named tuple, as
+    ``ParsedRequest``)."""
 
     model: str
     stream: bool
@@ -411,5 +437,5 @@ def prepare_request(raw: bytes | bytearray, endpoint: Endpoint, policy: RequestP
         client_wants_usage=parsed.client_wants_usage,
         affinity_text=parsed.affinity_text,
         budget=budget,
-        payload=json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
+        payload=_UPSTREAM_JSON.encode(body).encode(),
     )

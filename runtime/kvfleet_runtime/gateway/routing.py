@@ -111,6 +111,11 @@ class PoolRouter:
         return {url: state.in_flight for url, state in self.replicas.items()}
 
     def choose(self, key: bytes, exclude: set[str], load_factor: float) -> ReplicaState | None:
+        """``select_replica`` over the live state; a pool of one replica skips the ring and the load cap,
+        which cannot change the answer (the only candidate is under its cap or the least loaded)."""
+        if len(self.replicas) == 1:
+            (only,) = self.replicas.values()
+            return only if only.healthy and only.url not in exclude else None
         url = select_replica(
             self.ring, key, healthy=self.healthy, loads=self.loads(), exclude=exclude, load_factor=load_factor
         )

@@ -64,6 +64,7 @@ from kvfleet_runtime.gateway.admission import (
 from kvfleet_runtime.gateway.connections import ConnectionGuards, GuardedSite
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.rewrite import (
+    UPSTREAM_SESSION_HEADERS,
     BadRequest,
     Endpoint,
     ModelNotAllowed,
@@ -79,7 +80,7 @@ from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, Snapshot
 from kvfleet_runtime.kv.fairness import TokenCost
 
 log = logging.getLogger("kvfleet.gateway")
-#: Where ``_authenticate`` leaves the tenant's name on the request (read by ``count_response``).
+#: Where ``_authenticate`` leaves the tenant's name on the request (read by ``on_response_prepare``).
 _TENANT_KEY: web.RequestKey[str] = web.RequestKey("kvfleet_tenant", str)
 
 MIB = 1024 * 1024
@@ -342,7 +343,7 @@ class Gateway:
                 sock_read=self.settings.upstream_read_timeout_s,
             ),
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            headers=UPSTREAM_SESSION_HEADERS,
         )
         await self.check_health_once()
         self._tasks = [
@@ -486,8 +487,11 @@ class Gateway:
         ready, reason = self.readiness()
         return web.json_response({"ready": ready, "reason": reason}, status=200 if ready else 503)
 
-    async def count_response(self, request: web.Request, response: web.StreamResponse) -> None:
-        """``on_response_prepare``: count every API answer by tenant and HTTP status (metering)."""
+    async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """The app's one ``on_response_prepare`` receiver: tells the connection guard the request is
+        answered (``ConnectionGuards.response_prepared``) and counts every API answer by tenant and HTTP
+        status (metering)."""
+        self.guards.response_prepared(request, response)
         if request.path.startswith("/v1/"):
             self.metrics.count_response(request.get(_TENANT_KEY, m.UNAUTHENTICATED), response.status)
 
@@ -502,7 +506,7 @@ class Gateway:
         else:
             found = snapshot.authenticate(request.headers.get("Authorization"))
         if isinstance(found, TenantRuntime):
-            request[_TENANT_KEY] = found.name  # for the responses-by-status count (``count_response``)
+            request[_TENANT_KEY] = found.name  # for the responses-by-status count (``on_response_prepare``)
             return found
         reason, response = _AUTH_REFUSALS[found]
         self.metrics.count_rejected(m.UNAUTHENTICATED, reason)
@@ -763,7 +767,7 @@ class Gateway:
             engine = EngineRequest(
                 self.engine_queues[tenant.pool.name],
                 tenant.name,
-                SLA_RANK[tenant.entry.tier],
+                tenant.rank,
                 tenant.entry.fair_share_weight,
                 budget.prompt_tokens,
             )
@@ -1175,8 +1179,7 @@ def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) 
     app[GATEWAY_KEY] = gateway
     app.on_startup.append(gateway.start)
     app.on_cleanup.append(gateway.stop)
-    app.on_response_prepare.append(gateway.guards.on_response_prepare)
-    app.on_response_prepare.append(gateway.count_response)
+    app.on_response_prepare.append(gateway.on_response_prepare)
     app.router.add_post(Endpoint.CHAT.value, gateway.handle_chat, expect_handler=gateway.expect_continue)
     app.router.add_post(
         Endpoint.COMPLETIONS.value, gateway.handle_completions, expect_handler=gateway.expect_continue

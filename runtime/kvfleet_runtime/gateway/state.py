@@ -13,11 +13,12 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from kvfleet_runtime.config import (
+    SLA_RANK,
     KeyFile,
     PoolEntry,
     TenantEntry,
@@ -59,14 +60,16 @@ class TenantRuntime:
     kv_burst_blocks: int | None = None
     #: The model's context length, when the pool's engine settings name it.
     max_model_len: int | None = None
+    #: ``entry.name``, ``entry.tier``'s value and its ``SLA_RANK``, copied once: the request path reads
+    #: them a dozen times.
+    name: str = field(init=False)
+    tier: str = field(init=False)
+    rank: int = field(init=False)
 
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-    @property
-    def tier(self) -> str:
-        return self.entry.tier.value
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.entry.name)
+        object.__setattr__(self, "tier", self.entry.tier.value)
+        object.__setattr__(self, "rank", SLA_RANK[self.entry.tier])
 
     @property
     def kv_budget_tokens(self) -> int | None:

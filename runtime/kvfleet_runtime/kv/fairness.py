@@ -90,7 +90,7 @@ class TicketState(Enum):
     DONE = "done"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket(Generic[T]):
     """One request in a ``FairQueue``; ``item`` is the caller's (the gateway: a future to wake)."""
 
@@ -192,20 +192,25 @@ class FairQueue(Generic[T]):
             return None
         if weight <= 0:
             raise ValueError("a tenant's weight must be > 0")
+        # Written out (no max(), no cost.of()): this runs for every request the gateway admits.
+        counters = self.counters
         tier = self._tiers.get(rank)
         if tier is None:
             tier = self._tiers[rank] = _Tier[T]()
         elif tier.last_left is not None:  # what _current_floor does with an empty backlog
-            tier.floor = max(tier.floor, self.counters[tier.last_left])
+            last = counters[tier.last_left]
+            tier.floor = max(tier.floor, last)
+        input_tokens = max(input_tokens, 0)
+        charged = input_tokens * self.input_scale.get(tenant, 1.0)
         ticket = Ticket(
-            tenant, rank, weight, max(0, input_tokens), item, next(self._seq), TicketState.DISPATCHED
+            tenant, rank, weight, input_tokens, item, next(self._seq), TicketState.DISPATCHED, charged
         )
-        counter = max(self.counters.get(tenant, 0.0), tier.floor)
+        counter = counters.get(tenant, 0.0)
+        counter = max(counter, tier.floor)
         self.in_flight += 1
-        ticket.charged_input = ticket.input_tokens * self.input_scale.get(tenant, 1.0)
-        weighted = self.cost.of(ticket.charged_input, 0)
+        weighted = self.cost.input_weight * charged
         self.served[tenant] = self.served.get(tenant, 0.0) + weighted
-        self.counters[tenant] = counter = counter + weighted / weight
+        counters[tenant] = counter = counter + weighted / weight
         # The backlog it never joined emptied again: it is the last to leave (``_leave``).
         tier.last_left = tenant
         tier.floor = max(tier.floor, counter)
@@ -266,9 +271,16 @@ class FairQueue(Generic[T]):
         the tenant's ratio of reported to estimated prompt tokens for its next dispatches."""
         if ticket.state is TicketState.QUEUED:
             return
-        correction = max(0, prompt_tokens) - ticket.charged_input
-        ticket.charged_input = max(0, prompt_tokens)
-        self._charge(ticket, self.cost.of(correction, max(0, completion_tokens)))
+        prompt = prompt_tokens if prompt_tokens > 0 else 0
+        correction = prompt - ticket.charged_input
+        ticket.charged_input = prompt
+        cost = self.cost
+        weighted = cost.input_weight * correction
+        if completion_tokens > 0:
+            weighted += cost.output_weight * completion_tokens
+        tenant = ticket.tenant
+        self.served[tenant] = self.served.get(tenant, 0.0) + weighted
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted / ticket.weight
         if ticket.input_tokens > 0 and prompt_tokens > 0:
             ratio = prompt_tokens / ticket.input_tokens
             old = self.input_scale.get(ticket.tenant)
