@@ -405,8 +405,8 @@ class GatewayMetrics:
     def series(self, tenant: str, model: str, tier: str) -> RequestSeries:
         """The per-request children for one (tenant, model, SLA tier), resolved once and cached.
 
-        Resolving a labelled child takes a lock and a dict lookup per metric; the request path uses a
-        dozen of them, so they are looked up once per label set (bounded, see the module docstring).
+        The request path updates a dozen of them, so they are looked up once per label set (bounded, see
+        the module docstring).
         """
         key = (tenant, model, tier)
         found = self._series.get(key)
