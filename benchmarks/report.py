@@ -442,7 +442,11 @@ def render_gateway_sweep(f: Files, name: str) -> str:
             if i >= len(steps):
                 cells.append("(stopped)")
                 continue
-            tries = [num(t["added_p99_ms"], 1) + ("" if t["ok"] else FAILED_TRY) for t in steps[i]]
+            tries = [
+                ("no answer" if t["added_p99_ms"] is None else num(t["added_p99_ms"], 1))
+                + ("" if t["ok"] else FAILED_TRY)
+                for t in steps[i]
+            ]
             cells.append(", ".join(tries))
         rows.append([num(float(rate)), *cells])
     return (

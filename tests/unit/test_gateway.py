@@ -148,6 +148,8 @@ async def test_client_salt_priority_and_routing_hints_are_replaced(tmp_path: Pat
                 "X-Request-Id": "mine",
                 "X-Session-ID": "s",
                 "X-data-parallel-rank": "3",
+                "Accept-Encoding": "gzip, br",
+                "User-Agent": "client/1.0",
             },
         )
         got = env.engines[0].received[-1]
@@ -160,6 +162,9 @@ async def test_client_salt_priority_and_routing_hints_are_replaced(tmp_path: Pat
         assert "x-vllm-priority" not in lower and "x-session-id" not in lower
         assert "x-data-parallel-rank" not in lower and "authorization" not in lower
         assert lower["x-kvfleet-tenant"] == "beta"
+        # The answer is relayed as it comes, so the engine is asked not to compress it; and the engine sees
+        # the gateway's User-Agent, not the client's, and no library or Python version.
+        assert lower["accept-encoding"] == "identity" and lower["user-agent"] == "kvfleet-gateway"
         assert parse_tenant_from_request_id("chatcmpl-" + lower["x-request-id"] + "-1a2b3c4d") == "beta"
         await env.chat("acme")
         assert env.engines[0].received[-1].body["priority"] == TIER_PRIORITY[SlaTier.PREMIUM]
