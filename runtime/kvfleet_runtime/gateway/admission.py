@@ -202,7 +202,7 @@ class BudgetLimits:
 
 class RequestBudget(NamedTuple):
     """What admission charges for one request (see ``plan_request_budget``). Built for every request: a
-    named tuple, which is immutable and several times cheaper to build than a frozen dataclass."""
+    named tuple, which is immutable and costs half as much to build as a frozen dataclass."""
 
     sequences: int
     prompt_tokens: int

@@ -17,7 +17,7 @@ exported by the gateway: Prometheus adds it to every series it scrapes through a
 The series every request touches (``RequestSeries``: requests by outcome, answers by status, tokens,
 latencies, in-flight gauges) are ``LocalFamily`` objects: plain numbers a request updates with one
 attribute write, exposed by ``LocalCollector`` at scrape time. A ``prometheus_client`` child takes a lock
-and several calls per update (about a tenth of the gateway's CPU per request, with a dozen updates); these
+and several calls per update (with a dozen updates, 6% of the instructions of a request); these
 are written and read on the event loop's thread only (``/metrics`` is served there), so they need no
 lock. The exposition is the same but for the ``_created`` samples, which they do not have.
 """
