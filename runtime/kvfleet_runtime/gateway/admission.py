@@ -125,16 +125,10 @@ class TokenBucket:
 
     def try_take(self, amount: float) -> float:
         """Take ``amount`` and return 0, or take nothing and return the seconds until it would fit."""
-        now = self._clock()
-        capacity = self.capacity
-        level = self.level + (now - self._stamp) * self.rate
-        level = min(level, capacity)
-        self._stamp = now
-        if level >= amount or (amount > capacity and level >= capacity):
-            self.level = level - amount
-            return 0.0
-        self.level = level
-        return ((amount if amount < capacity else capacity) - level) / self.rate
+        wait = self.wait_for(amount)
+        if wait == 0.0:
+            self.level -= amount
+        return wait
 
     def adjust(self, delta: float) -> None:
         """Charge ``delta`` more (negative: refund). The level may go negative (debt), never above full."""
@@ -503,8 +497,7 @@ class TenantGate:
                     f"(this request is estimated at {token_estimate} tokens)",
                 )
         if not self._waiters and self._blocker(kv_tokens) is None:
-            self.in_flight += 1
-            self.kv_in_flight += kv_tokens
+            self._grant(kv_tokens)
             return GateSlot(self, kv_tokens, token_estimate, 0.0)
         return None
 
