@@ -724,6 +724,71 @@ def render_demo(f: Files) -> str:
     return table(["run", "result"], rows)
 
 
+# --- test suite durations ---------------------------------------------------------------------------------
+
+#: Rows of the slowest tests and fixtures shown on the page.
+SLOWEST = 20
+
+
+FIXTURE_KEYS = ("setups", "seconds", "longest")
+
+
+def _number(value: object, what: str) -> float:
+    if not isinstance(value, int | float):
+        raise TypeError(f"test_durations: {what} is not a number: {value!r}")
+    return float(value)
+
+
+def _phases(value: object) -> list[float]:
+    if not isinstance(value, list) or len(value) != 3:
+        raise TypeError(f"test_durations: a test's phases must be [setup, call, teardown], got {value!r}")
+    return [_number(v, "a test phase") for v in value]
+
+
+def render_test_durations(f: Files) -> str:
+    """Time per tier, the slowest tests and the slowest fixtures of one recorded test run."""
+    r = f["test_durations"]
+    wall, total = median(r.figure("wall_s")), median(r.figure("test_time_s"))
+    tier_rows = []
+    for key, fig in r.figures.items():
+        tier = key.removesuffix("_s")
+        if not key.endswith("_s") or key in ("wall_s", "test_time_s"):
+            continue
+        count = int(median(r.figure(f"{tier}_tests")))
+        seconds = median(fig)
+        tier_rows.append([tier, num(count), duration(seconds), pct(100 * seconds / total if total else 0.0)])
+    tier_rows.append(["all", num(int(median(r.figure("tests")))), duration(total), "100%"])
+    tests = detail(r, "tests_s")
+    if not isinstance(tests, dict):
+        raise TypeError("test_durations: details.tests_s must map test ids to [setup, call, teardown]")
+    slow = sorted(((nodeid, _phases(v)) for nodeid, v in tests.items()), key=lambda kv: -sum(kv[1]))
+    test_rows = [
+        [f"`{nodeid}`", *(f"{x:.1f}" for x in phases), f"{sum(phases):.1f}"]
+        for nodeid, phases in slow[:SLOWEST]
+    ]
+    fixtures = detail(r, "fixtures")
+    if not isinstance(fixtures, dict):
+        raise TypeError("test_durations: details.fixtures must map fixture names to their setups")
+    fixture_rows = []
+    for name, entry in list(fixtures.items())[:SLOWEST]:
+        if not isinstance(entry, dict):
+            raise TypeError(f"test_durations: fixture {name!r} has no setups record")
+        setups, seconds, longest = (_number(entry.get(k), f"fixture {name!r}: {k}") for k in FIXTURE_KEYS)
+        fixture_rows.append([f"`{name}`", num(int(setups)), f"{seconds:.1f}", f"{longest:.1f}"])
+    head = (
+        f"`{r.command}`: {num(int(median(r.figure('tests'))))} tests in {duration(wall)} of wall time "
+        f"({r.machine.note}); their setups, calls and teardowns add up to {duration(total)}.\n\n"
+    )
+    return (
+        head
+        + table(["tier", "tests", "time (summed)", "share"], tier_rows)
+        + f"\n\nThe {SLOWEST} slowest tests (seconds):\n\n"
+        + table(["test", "setup", "call", "teardown", "total"], test_rows)
+        + f"\n\nThe {SLOWEST} slowest fixtures (their own setup, without the fixtures they use; seconds):\n\n"
+        + table(["fixture (scope)", "setups", "total", "longest"], fixture_rows)
+    )
+
+
 # --- fair queuing -----------------------------------------------------------------------------------------
 
 
@@ -868,6 +933,7 @@ BLOCKS: dict[str, Block] = {
         render_operator,
     ),
     "demo": Block(("demo", "build_cluster_cold"), render_demo),
+    "test_durations": Block(("test_durations",), render_test_durations),
     "fairness_vllm": Block(("fairness_vllm",), render_fairness_vllm),
     "fairness_vllm_light4": Block(("fairness_vllm_light4",), render_fairness_vllm),
     "fairness_simulate": Block(("fairness_simulate",), render_fairness_simulate),

@@ -1,0 +1,97 @@
+"""pytest plugin: which tests may run side by side under pytest-xdist, and in what order they start.
+
+Registered from ``tests/conftest.py``; active only with ``--dist loadgroup`` (``make test`` runs
+``pytest -n 2 --dist loadgroup --no-loadscope-reorder``). The machine has 2 cores and much of the suite
+waits: on a control plane, a vLLM-CPU start, a reconcile, a node's grace period. Two workers overlap those
+waits with other tests. What may not be split between workers is grouped (``xdist_group``), and a group
+runs whole on one worker, in collection order:
+
+* a module that is not a unit test is one group, so its module-scoped engines, clusters and gateways start
+  once, on one worker;
+* every test that uses the session's shared vLLM server (``vllm_server``) is in one group, so one worker
+  starts it once;
+* the tests that run the real node (``tests/e2e/test_real_node.py``, ``tests/e2e/test_demo.py``) are in
+  one group: there is one real node per machine (kubelet, containerd, the CNI bridge, iptables);
+* unit tests are not grouped: they fill the gaps one by one, at the end.
+
+Order: the groups that took longest in the last recorded run (``benchmarks/results/test_durations.json``)
+start first, longest first, and the unit tests come last, so no worker is left with a long group when the
+other runs out of work. Without that file the collection order stands (it already ends with the unit tier).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: The last recorded run's durations (tests/durations_plugin.py writes it; make test updates it).
+LAST_DURATIONS = REPO / "benchmarks" / "results" / "test_durations.json"
+#: Tests that start the machine's one real node.
+REAL_NODE_MODULES = ("tests/e2e/test_real_node.py", "tests/e2e/test_demo.py")
+REAL_NODE_GROUP = "real-node"
+SHARED_ENGINE_FIXTURE = "vllm_server"
+SHARED_ENGINE_GROUP = "shared-vllm-server"
+
+
+def strip_group(nodeid: str) -> str:
+    """A node id without the ``@group`` suffix xdist adds under ``--dist loadgroup``."""
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
+
+
+def group_of(nodeid: str, fixturenames: tuple[str, ...] | list[str]) -> str | None:
+    """The xdist group of a test, or ``None`` for a unit test (free to run anywhere)."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith("tests/unit/"):
+        return None
+    if module in REAL_NODE_MODULES:
+        return REAL_NODE_GROUP
+    if SHARED_ENGINE_FIXTURE in fixturenames:
+        return SHARED_ENGINE_GROUP
+    return module
+
+
+def recorded_seconds(path: Path = LAST_DURATIONS) -> dict[str, float]:
+    """Seconds per test (setup + call + teardown) from the last recorded run; empty when there is none."""
+    try:
+        listed = json.loads(path.read_text())["details"]["tests_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {nodeid: float(sum(phases)) for nodeid, phases in listed.items()}
+
+
+def start_order(groups: Mapping[str, str | None], seconds: Mapping[str, float]) -> dict[str, int]:
+    """Rank of every test (by node id) in the order the groups should start: groups by their recorded
+    seconds, longest first (unknown groups after known ones, in collection order), ungrouped tests last in
+    collection order. ``groups`` maps node ids, in collection order, to their group."""
+    cost: dict[str, float] = defaultdict(float)
+    first_seen: dict[str, int] = {}
+    for i, (nodeid, group) in enumerate(groups.items()):
+        if group is None:
+            continue
+        first_seen.setdefault(group, i)
+        cost[group] += seconds.get(nodeid, 0.0)
+    group_rank = {g: r for r, g in enumerate(sorted(first_seen, key=lambda g: (-cost[g], first_seen[g])))}
+    ungrouped = len(group_rank)
+    return {
+        nodeid: (group_rank[group] if group is not None else ungrouped) for nodeid, group in groups.items()
+    }
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node id suffixes
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    groups: dict[str, str | None] = {}
+    for item in items:
+        group = group_of(item.nodeid, list(getattr(item, "fixturenames", ())))
+        groups[item.nodeid] = group
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    rank = start_order(groups, recorded_seconds())
+    items.sort(key=lambda item: rank[item.nodeid])  # stable: collection order within a rank
