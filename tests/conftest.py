@@ -15,8 +15,9 @@ from typing import NoReturn
 
 import pytest
 
-# The real control plane and Prometheus fixtures (api_cluster, full_cluster, prometheus).
-pytest_plugins = ["cluster_fixtures", "engine_fixtures"]
+# The real control plane and Prometheus fixtures (api_cluster, full_cluster, prometheus), the real engines,
+# the groups that keep heavy setups on one xdist worker, and the durations results file.
+pytest_plugins = ["cluster_fixtures", "engine_fixtures", "parallel_plugin", "durations_plugin"]
 
 #: The explicit opt-out: set to exactly ``1``, tests whose real component is missing skip instead of failing.
 ALLOW_MISSING_ENV = "KVFLEET_ALLOW_MISSING"
