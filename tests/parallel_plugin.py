@@ -8,8 +8,8 @@ runs whole on one worker, in collection order:
 
 * a module that is not a unit test is one group, so its module-scoped engines, clusters and gateways start
   once, on one worker;
-* every test that uses the session's shared vLLM server (``vllm_server``) is in one group, so one worker
-  starts it once;
+* every test that uses one of the session's shared engines (``vllm_server``, ``launched_engine``) is in
+  that engine's group, so one worker starts it once;
 * the tests that run the real node (``tests/e2e/test_real_node.py``, ``tests/e2e/test_demo.py``) are in
   one group: there is one real node per machine (kubelet, containerd, the CNI bridge, iptables);
 * unit tests are not grouped: they fill the gaps one by one, at the end.
@@ -34,8 +34,8 @@ LAST_DURATIONS = REPO / "benchmarks" / "results" / "test_durations.json"
 #: Tests that start the machine's one real node.
 REAL_NODE_MODULES = ("tests/e2e/test_real_node.py", "tests/e2e/test_demo.py")
 REAL_NODE_GROUP = "real-node"
-SHARED_ENGINE_FIXTURE = "vllm_server"
-SHARED_ENGINE_GROUP = "shared-vllm-server"
+#: Session fixtures that start an engine several modules share: fixture -> its group.
+SHARED_ENGINE_GROUPS = {"vllm_server": "shared-vllm-server", "launched_engine": "launched-engine"}
 
 
 def strip_group(nodeid: str) -> str:
@@ -51,8 +51,9 @@ def group_of(nodeid: str, fixturenames: tuple[str, ...] | list[str]) -> str | No
         return None
     if module in REAL_NODE_MODULES:
         return REAL_NODE_GROUP
-    if SHARED_ENGINE_FIXTURE in fixturenames:
-        return SHARED_ENGINE_GROUP
+    for fixture, group in SHARED_ENGINE_GROUPS.items():
+        if fixture in fixturenames:
+            return group
     return module
 
 

