@@ -14,9 +14,10 @@ runs whole on one worker, in collection order:
   one group: there is one real node per machine (kubelet, containerd, the CNI bridge, iptables);
 * unit tests are not grouped: they fill the gaps one by one, at the end.
 
-Order: the groups that took longest in the last recorded run (``benchmarks/results/test_durations.json``)
-start first, longest first, and the unit tests come last, so no worker is left with a long group when the
-other runs out of work. Without that file the collection order stands (it already ends with the unit tier).
+Order: the groups (and single tests) that took longest in the last recorded run
+(``benchmarks/results/test_durations.json``) start first, longest first, and the short unit tests come
+last, so no worker is left with a long group when the other runs out of work. Without that file the
+collection order stands (it already ends with the unit tier).
 """
 
 from __future__ import annotations
@@ -67,21 +68,22 @@ def recorded_seconds(path: Path = LAST_DURATIONS) -> dict[str, float]:
 
 
 def start_order(groups: Mapping[str, str | None], seconds: Mapping[str, float]) -> dict[str, int]:
-    """Rank of every test (by node id) in the order the groups should start: groups by their recorded
-    seconds, longest first (unknown groups after known ones, in collection order), ungrouped tests last in
-    collection order. ``groups`` maps node ids, in collection order, to their group."""
+    """Rank of every test (by node id) in the order its unit of work should start. A unit is a group, or
+    one ungrouped test. Units start by their recorded seconds, longest first (the greedy longest-job-first
+    schedule that keeps two workers' finishing times close); units without a record start after the
+    recorded ones, in collection order (which puts the unit tier last). ``groups`` maps node ids, in
+    collection order, to their group (``None``: ungrouped)."""
     cost: dict[str, float] = defaultdict(float)
     first_seen: dict[str, int] = {}
+    unit_of: dict[str, str] = {}
     for i, (nodeid, group) in enumerate(groups.items()):
-        if group is None:
-            continue
-        first_seen.setdefault(group, i)
-        cost[group] += seconds.get(nodeid, 0.0)
-    group_rank = {g: r for r, g in enumerate(sorted(first_seen, key=lambda g: (-cost[g], first_seen[g])))}
-    ungrouped = len(group_rank)
-    return {
-        nodeid: (group_rank[group] if group is not None else ungrouped) for nodeid, group in groups.items()
-    }
+        unit = f"group:{group}" if group is not None else f"test:{nodeid}"
+        unit_of[nodeid] = unit
+        first_seen.setdefault(unit, i)
+        cost[unit] += seconds.get(nodeid, 0.0)
+    ordered = sorted(first_seen, key=lambda u: (-cost[u], first_seen[u]))
+    unit_rank = {u: r for r, u in enumerate(ordered)}
+    return {nodeid: unit_rank[unit_of[nodeid]] for nodeid in groups}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node id suffixes

@@ -91,27 +91,34 @@ def test_heavy_setups_stay_on_one_worker_and_unit_tests_run_anywhere() -> None:
     assert group_of("tests/cluster/test_b.py::test_z", ["full_cluster"]) == "tests/cluster/test_b.py"
 
 
-def test_the_longest_recorded_group_starts_first_and_unit_tests_last() -> None:
+def test_the_longest_recorded_unit_of_work_starts_first_and_short_unit_tests_last() -> None:
     groups = {
         "tests/cluster/a.py::t1": "tests/cluster/a.py",
         "tests/cluster/a.py::t2": "tests/cluster/a.py",
         "tests/engine/b.py::t1": "tests/engine/b.py",
         "tests/unit/u.py::t1": None,
+        "tests/unit/u.py::slow": None,
         "tests/e2e/c.py::t1": "tests/e2e/c.py",
     }
-    seconds = {"tests/cluster/a.py::t1": 10.0, "tests/cluster/a.py::t2": 10.0, "tests/engine/b.py::t1": 90.0}
+    seconds = {
+        "tests/cluster/a.py::t1": 10.0,
+        "tests/cluster/a.py::t2": 10.0,
+        "tests/engine/b.py::t1": 90.0,
+        "tests/unit/u.py::slow": 15.0,
+    }
     rank = start_order(groups, seconds)
     order = sorted(groups, key=lambda n: rank[n])
     assert order == [
         "tests/engine/b.py::t1",
-        "tests/cluster/a.py::t1",
+        "tests/cluster/a.py::t1",  # a group's tests stay together, in collection order
         "tests/cluster/a.py::t2",
-        "tests/e2e/c.py::t1",  # unknown cost: after the known ones
-        "tests/unit/u.py::t1",
+        "tests/unit/u.py::slow",  # an ungrouped test is a unit of its own
+        "tests/unit/u.py::t1",  # no record: after the recorded ones, in collection order
+        "tests/e2e/c.py::t1",
     ]
-    # Without a recorded run the collection order stands, ungrouped tests last.
+    # Without a recorded run the collection order stands.
     rank = start_order(groups, {})
-    assert sorted(groups, key=lambda n: rank[n])[-1] == "tests/unit/u.py::t1"
+    assert sorted(groups, key=lambda n: rank[n]) == list(groups)
 
 
 def test_recorded_seconds_read_a_results_file_and_tolerate_none(tmp_path: Path) -> None:
