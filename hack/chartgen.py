@@ -179,7 +179,7 @@ What the chart creates:
 
 ## RBAC
 
-The operator gets exactly the verbs its code uses, no wildcards (`tests/unit/test_rbac.py` derives the
+The operator gets exactly the verbs its code uses, no wildcards (`tests/tools/test_rbac_chart.py` derives the
 allowlist from the operator's API calls and fails on anything more):
 
 | API group | resources | verbs |

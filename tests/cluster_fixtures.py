@@ -34,7 +34,7 @@ from devcluster import (
 )
 from devcluster.binaries import API_TIER_BINARIES, FULL_TIER_BINARIES, PROMETHEUS_COMMAND
 
-from conftest import missing_component
+from components import missing_component
 
 CLUSTER_TIMEOUT = float(os.environ.get("KVFLEET_CLUSTER_TIMEOUT", "180"))
 

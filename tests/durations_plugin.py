@@ -31,7 +31,7 @@ import pytest
 from parallel_plugin import strip_group
 
 #: The test tiers, each a folder under tests/ (tests/conftest.py marks every test with its folder's name).
-TIERS = ("unit", "cluster", "engine", "security", "e2e")
+TIERS = ("unit", "tools", "loopback", "cluster", "engine", "security", "e2e")
 #: Tests shorter than this are counted in their tier but not listed one by one in the file.
 LISTED_TEST_S = 1.0
 #: The report attribute that carries one test's fixture setups from a worker to the controller.

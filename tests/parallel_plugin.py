@@ -39,6 +39,11 @@ REAL_NODE_GROUP = "real-node"
 SHARED_ENGINE_GROUPS = {"vllm_server": "shared-vllm-server", "launched_engine": "launched-engine"}
 
 
+#: The tiers whose tests are not grouped (tests/unit starts nothing, tests/tools subprocesses, tests/loopback
+#: servers on loopback).
+LIGHT_TIERS = ("tests/unit/", "tests/tools/", "tests/loopback/")
+
+
 def strip_group(nodeid: str) -> str:
     """A node id without the ``@group`` suffix xdist adds under ``--dist loadgroup``."""
     at = nodeid.rfind("@")
@@ -46,9 +51,10 @@ def strip_group(nodeid: str) -> str:
 
 
 def group_of(nodeid: str, fixturenames: tuple[str, ...] | list[str]) -> str | None:
-    """The xdist group of a test, or ``None`` for a unit test (free to run anywhere)."""
+    """The xdist group of a test, or ``None`` for a test of a light tier (unit, tools, loopback: free to run
+    anywhere; what they start is cheap enough to start again on the other worker)."""
     module = nodeid.split("::", 1)[0]
-    if module.startswith("tests/unit/"):
+    if module.startswith(LIGHT_TIERS):
         return None
     if module in REAL_NODE_MODULES:
         return REAL_NODE_GROUP

@@ -39,7 +39,7 @@ from test_operator_reconcile import (
     tenant,
 )
 
-from conftest import missing_component
+from components import missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfleet"

@@ -9,7 +9,7 @@ from pathlib import Path
 from cluster_helpers import create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane, find_binary
 
-from conftest import missing_component
+from components import missing_component
 
 CHART = Path(__file__).parent / "charts" / "trivial"
 

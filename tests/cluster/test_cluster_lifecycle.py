@@ -6,7 +6,7 @@ from devcluster import missing_binaries, start_control_plane
 from devcluster.binaries import API_TIER_BINARIES, BUILD_COMMAND
 from devcluster.processes import port_is_listening
 
-from conftest import missing_component
+from components import missing_component
 
 
 def _port(url: str) -> int:

@@ -21,7 +21,7 @@ from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait
 from devcluster import BUILD_COMMAND, ControlPlane, cache_dir
 from test_chart_cluster import CHART, ChartOperator, helm, permission_error
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_operator.api import reasons
 from kvfleet_operator.handlers.reconcile import OperatorConfig
 from kvfleet_operator.k8s import kinds

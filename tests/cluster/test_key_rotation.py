@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from devcluster import BUILD_COMMAND, ControlPlane, missing_binaries
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_runtime.config import hash_api_key
 from operator_support import (
     REPO,

@@ -45,7 +45,7 @@ from devcluster.processes import ManagedProcess, find_free_port, start_process
 from operators import OperatorReplica, prepare_namespace
 from test_operator_reconcile import get
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_operator.build.common import config_map_name, engine_name
 from kvfleet_operator.build.engine import NODE_LOSS_TOLERATION_SECONDS
 from kvfleet_operator.reconcile.node_loss import (

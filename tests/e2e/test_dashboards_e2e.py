@@ -47,7 +47,7 @@ from typing import Any
 
 import pytest
 
-from conftest import missing_component
+from components import missing_component
 
 # The cluster tests' helpers (examples as data, local NVMe PVs); pytest puts only this folder on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))

@@ -21,7 +21,7 @@ from devcluster import binaries
 from devcluster.node import NODE_NAME
 from devcluster.realpods import ci, real_pods_blockers
 
-from conftest import missing_component
+from components import missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 STATE_FILE = binaries.cache_dir() / "demo" / "state.json"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import missing_component
+from components import missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 # podman's default rlimits exceed this machine's hard limits; these fit (DESIGN.md, real pods).

@@ -55,7 +55,7 @@ from devcluster.realpods import (
 )
 from devcluster.realpods import is_ready as _ready
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     LABEL_SCRAPER,

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 from devcluster import BUILD_COMMAND, ControlPlane, missing_binaries
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_runtime.config import TenantTable, dump_json
 
 # operator_support puts tests/cluster on sys.path (for `operators`) and re-exports its namespace helpers.

@@ -37,7 +37,7 @@ from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait
 from devcluster import ControlPlane, find_binary
 from test_operator_reconcile import CONFIG, condition, create, get, load_example, provision_local_nvme, tenant
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_operator.api import reasons
 from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
 from kvfleet_operator.k8s.client import Credentials, KubeClient

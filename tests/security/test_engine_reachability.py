@@ -33,7 +33,7 @@ import pytest
 import yaml
 from devcluster import find_binary
 
-from conftest import missing_component
+from components import missing_component
 from engine_fixtures import TINY_MODEL_DEPLOYMENT, load_manifest, render_engine
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.common import (

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,

@@ -24,7 +24,7 @@ from test_block_pool import (
     tenant,
 )
 
-from conftest import missing_component
+from components import missing_component
 from kvfleet_runtime.config import Isolation
 
 SALTS = ["salt-a", "salt-b", "pool-salt", None, "forged"]

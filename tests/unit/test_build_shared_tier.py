@@ -1,15 +1,13 @@
 """The shared KV tier (``spec.kvCache.shared``): the API, what the operator renders, the replicas' LMCache
-arguments, and the tier server's store and RESP subset (on a real loopback socket).
+arguments, and the tier server's store (salts, quotas, size, table changes). The server's RESP subset on a
+real loopback socket: tests/loopback/test_shared_tier_server.py.
 
 Two replicas sharing chunks through real LMCache servers and vLLM: tests/engine/test_shared_tier.py. Who
-reaches the tier: tests/security/test_shared_tier_reachability.py.
-"""
+reaches the tier: tests/security/test_shared_tier_reachability.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,27 +15,23 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.common import SHARED_TIER_METRICS_PORT, SHARED_TIER_PORT
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
 from kvfleet_operator.build.shared_tier import SHARED_TIER_OVERHEAD
 from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
 from kvfleet_runtime.config import (
-    Isolation,
     KeyFile,
-    KVQuota,
     LMCacheSettings,
-    PoolEntry,
-    SlaTier,
     TenantEntry,
     TenantTable,
     TierTTLs,
     derive_cache_salt,
 )
-from kvfleet_runtime.config_watch import RuntimeConfigWatcher
 from kvfleet_runtime.engine.l1_governance import compute_l1_limits
-from kvfleet_runtime.engine.launcher import ReplicaSite, build_lmcache_args, resolve_replica, wait_for_tcp
-from kvfleet_runtime.engine.shared_tier import SharedTierStore, salt_of_key, serve
+from kvfleet_runtime.engine.launcher import ReplicaSite, build_lmcache_args, resolve_replica
+from kvfleet_runtime.engine.shared_tier import SharedTierStore, salt_of_key
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 IMAGES = OperatorImages(engine="engine:1", gateway="gateway:1")
@@ -172,29 +166,11 @@ SALT_KEY = KEYS.salt_key
 
 
 def _tenant(name: str, cpu_bytes: int) -> TenantEntry:
-    return TenantEntry(
-        name=name,
-        tier=SlaTier.STANDARD,
-        priority=10,
-        isolation=Isolation.SALTED,
-        salt_id=f"salt-{name}",
-        pool="shared",
-        models=["m"],
-        quota=KVQuota(hbm_blocks=1, hbm_burst_blocks=1, cpu_bytes=cpu_bytes),
-        ttl=TierTTLs(cpu_seconds=600.0),
-    )
+    return tenant_entry(name, hbm=1, hbm_burst=1, cpu=cpu_bytes, ttl=TierTTLs(cpu_seconds=600.0))
 
 
 def _table_of(*tenants: TenantEntry, burst_cap: float = 0.001) -> TenantTable:
-    return TenantTable(
-        model_deployment="ns/m",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={
-            "shared": PoolEntry(name="shared", block_size=32, hbm_blocks_per_replica=8, burst_cap=burst_cap)
-        },
-        tenants={t.name: t for t in tenants},
-    )
+    return tenant_table(*tenants, pools=[pool_entry(block_size=32, hbm_blocks=8, burst_cap=burst_cap)])
 
 
 def _salt(name: str) -> str:
@@ -265,65 +241,6 @@ def test_a_tenant_removed_from_the_table_loses_its_chunks_in_the_next_cycle() ->
     assert not store.set(_key(_salt("gone"), 2), b"g")
 
 
-def _resp(*parts: bytes) -> bytes:
-    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-
-
-def test_the_resp_subset_lmcaches_connector_speaks_on_a_real_socket(tmp_path: Path) -> None:
-    """The exact bytes LMCache's C++ Redis connector sends and expects (csrc/storage_backends/redis)."""
-    table = _table_of(_tenant("a", 10_000))
-    (tmp_path / "t.json").write_text(table.model_dump_json())
-    (tmp_path / "k.json").write_text(KEYS.model_dump_json())
-    watcher = RuntimeConfigWatcher(tmp_path / "t.json", tmp_path / "k.json")
-
-    def limits_of(config: Any) -> Any:
-        return compute_l1_limits(config.table, config.keys, "shared", CAPACITY)
-
-    store = SharedTierStore(CAPACITY, limits_of(watcher.load()))
-    key, other = _key(_salt("a"), 7), _key(_salt("a"), 8)
-
-    async def scenario() -> list[bytes]:
-        bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        server = asyncio.create_task(serve(store, watcher, limits_of, "127.0.0.1", 0, 0.05, bound.set_result))
-        port = await bound
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        replies = []
-        for command in (
-            _resp(b"SET", key, b"\x00\r\n" * 4),
-            _resp(b"EXISTS", key),
-            _resp(b"GET", key),
-            _resp(b"GET", other),
-            _resp(b"EXISTS", other),
-            _resp(b"DEL", key),
-            _resp(b"DEL", key),
-            _resp(b"FLUSHALL"),
-        ):
-            writer.write(command)
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            replies.append(await reader.read(1000))
-        # A key longer than the server accepts closes the connection before the key is read.
-        writer.write(b"*2\r\n$3\r\nGET\r\n$999999\r\n")
-        await writer.drain()
-        replies.append(await reader.read(1000))
-        writer.close()
-        server.cancel()
-        return replies
-
-    replies = asyncio.run(scenario())
-    assert replies == [
-        b"+OK\r\n",
-        b":1\r\n",
-        b"$12\r\n\x00\r\n\x00\r\n\x00\r\n\x00\r\n\r\n",
-        b"$-1\r\n",
-        b":0\r\n",
-        b":1\r\n",
-        b":0\r\n",
-        b"-ERR unsupported command\r\n",
-        b"",
-    ]
-
-
 @pytest.mark.parametrize("tiers", [{}, {"cpuSize": "0", "nvme": None}])
 def test_the_launcher_gives_each_replica_the_rendered_tier_as_its_last_l2_adapter(
     tiers: dict[str, Any],
@@ -349,14 +266,3 @@ def test_the_launcher_gives_each_replica_the_rendered_tier_as_its_last_l2_adapte
         "num_workers": 2,
     }
     assert [a["type"] for a in adapters] == (["fs", "resp"] if not tiers else ["resp"])
-
-
-def test_the_launcher_waits_for_the_tier_before_it_starts_lmcache() -> None:
-    """LMCache's resp connector never reconnects, so ``kvfleet engine launch`` waits for the tier."""
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        port = listening.getsockname()[1]
-        assert wait_for_tcp("127.0.0.1", port, 5.0) < 5.0
-    with pytest.raises(TimeoutError, match="did not accept"):
-        wait_for_tcp("127.0.0.1", port, 0.5)  # closed now: nothing listens

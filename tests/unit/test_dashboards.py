@@ -1,21 +1,17 @@
 """The dashboards as code: every metric a panel, variable or alert reads is defined in the code (kvfleet's
-registries, the installed vLLM's source), every query parses (promtool), and each dashboard has what the
-issue asks for. That the committed JSON is fresh is checked with every other generated file
+registries, the installed vLLM's source), and each dashboard has the panels, variables, legends and
+thresholds it promises. That every query parses is checked by promtool in
+tests/tools/test_dashboards_promtool.py; that the committed JSON is fresh, with every other generated file
 (test_generated.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import render_dashboards
-import yaml
-from devcluster import find_binary
-from devcluster.binaries import PROMETHEUS_COMMAND
 from kvfleet_dashboards import catalog
-from kvfleet_dashboards.alerts import ALERTS
 from kvfleet_dashboards.dashboards import (
     ALL_DASHBOARDS,
     FLEET,
@@ -26,24 +22,14 @@ from kvfleet_dashboards.dashboards import (
     DashboardSpec,
     dashboard_queries,
     render_dashboard,
-    variable_queries,
 )
 from kvfleet_dashboards.outputs import DASHBOARD_JSON_DIR, build_outputs
-from kvfleet_dashboards.promql import metric_names, substitute_grafana_variables
+from kvfleet_dashboards.promql import metric_names
 
-from conftest import missing_component
+from components import missing_component
+from factories import all_promql
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _all_exprs() -> list[tuple[str, str]]:
-    """(where, PromQL) for every panel query, variable query and alert expression."""
-    out = []
-    for spec in ALL_DASHBOARDS:
-        out += [(f"{spec.uid}: {title}", expr) for title, expr in dashboard_queries(spec)]
-        out += [(f"{spec.uid}: variable", expr) for expr in variable_queries(spec)]
-    out += [(f"alert {a.name}", a.expr) for a in ALERTS]
-    return out
 
 
 def _known_names() -> frozenset[str]:
@@ -95,7 +81,7 @@ def test_vllm_metric_names_come_from_its_source() -> None:
 def test_every_metric_a_panel_variable_or_alert_reads_is_defined_in_code() -> None:
     known = _known_names()
     undefined = {
-        (where, name) for where, expr in _all_exprs() for name in metric_names(expr) if name not in known
+        (where, name) for where, expr in all_promql() for name in metric_names(expr) if name not in known
     }
     assert not undefined, f"metrics not defined by kvfleet's registries or vLLM: {sorted(undefined)}"
 
@@ -108,40 +94,6 @@ def test_an_undefined_metric_is_caught() -> None:
     assert metric_names("rate(kvfleet_gateway_requests_totl[5m])") - known == {
         "kvfleet_gateway_requests_totl"
     }
-
-
-def _promtool() -> str:
-    path = find_binary("promtool")
-    if path is None:
-        missing_component("promtool", PROMETHEUS_COMMAND)
-    return str(path)
-
-
-def _check_as_rules(tmp_path: Path, exprs: list[str]) -> subprocess.CompletedProcess[str]:
-    rules = [{"record": f"kvfleet:panel_query_{i}", "expr": e} for i, e in enumerate(exprs)]
-    path = tmp_path / "panel-queries.yaml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
-    return subprocess.run(
-        [_promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=120, check=False
-    )
-
-
-def test_every_panel_query_parses(tmp_path: Path) -> None:
-    """promtool parses each panel query (Grafana's variables substituted) as a recording rule."""
-    values = {"model": ".*", "tenant": ".*", "datasource": "prometheus"}
-    exprs = [substitute_grafana_variables(e, values) for _, e in _all_exprs() if "label_values" not in e]
-    exprs += [
-        substitute_grafana_variables(e, values) for spec in ALL_DASHBOARDS for e in variable_queries(spec)
-    ]
-    assert all("$" not in e for e in exprs), [e for e in exprs if "$" in e]
-    done = _check_as_rules(tmp_path, exprs)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"SUCCESS: {len(exprs)} rules found" in done.stdout
-
-
-def test_a_broken_query_is_caught_by_promtool(tmp_path: Path) -> None:
-    done = _check_as_rules(tmp_path, ["sum by (le (rate(x[5m]))"])
-    assert done.returncode != 0
 
 
 def _panels(spec: DashboardSpec) -> list[dict[str, object]]:

@@ -1,24 +1,18 @@
-"""The engine pod's one metrics port (engine/metrics_server.py) and the loopback plumbing of the launcher.
-
-Real sockets on loopback: upstream ``/metrics`` served by prometheus_client's own server, the plugin's
-metrics and debug servers as the engine core starts them. The source of the pool's series is a fixed
-snapshot (the block pool itself needs vLLM: tests/engine/test_engine_ports.py runs the real one).
-"""
+"""The engine pod's one metrics port (engine/metrics_server.py) without a socket: how upstream families are
+merged with the pool's own, the loopback rules for upstreams and the debug route, and the launcher's
+loopback plumbing. The servers on real loopback sockets: tests/loopback/test_engine_metrics_servers.py."""
 
 from __future__ import annotations
 
-import http.client
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from engine_fixtures import free_port
+from factories import metric_families, vllm_like_registry
 from kvfleet_runtime.config import (
     ENGINE_PORT,
     LMCACHE_HTTP_PORT,
@@ -27,12 +21,9 @@ from kvfleet_runtime.config import (
     LMCacheSettings,
 )
 from kvfleet_runtime.engine import launcher
-from kvfleet_runtime.engine.metrics import METRICS_UPSTREAM_UP, POOL_BLOCKS, PoolSnapshot, TenantSnapshot
+from kvfleet_runtime.engine.metrics import METRICS_UPSTREAM_UP, POOL_BLOCKS
 from kvfleet_runtime.engine.metrics_server import (
-    LOOPBACK,
     merge_families,
-    start_debug_server,
-    start_metrics_server,
 )
 from kvfleet_runtime.engine.plugin_config import (
     ENV_DEBUG_PORT,
@@ -43,65 +34,12 @@ from kvfleet_runtime.engine.plugin_config import (
     parse_metrics_upstreams,
 )
 
-SNAPSHOT = PoolSnapshot(
-    total_blocks=100,
-    used_blocks=3,
-    cached_blocks=7,
-    tenants={"acme": TenantSnapshot(7, 3, 50, 80, 30.0)},
-    queries={"acme": 2},
-)
-
-
-class FixedSource:
-    def snapshot(self) -> PoolSnapshot:
-        return SNAPSHOT
-
-    def count_vllm_blocks(self) -> dict[str, int]:
-        return {"cached": 7}
-
-
-def _vllm_like_registry() -> CollectorRegistry:
-    registry = CollectorRegistry()
-    Counter("vllm:prompt_tokens", "Prompt tokens.", ["model_name"], registry=registry).labels("tiny").inc(42)
-    Gauge("vllm:num_requests_running", "Running.", registry=registry).set(1)
-    Histogram("vllm:time_to_first_token_seconds", "TTFT.", registry=registry).observe(0.2)
-    Gauge("process_open_fds", "fds of vLLM's API server.", registry=registry).set(11)
-    return registry
-
-
-def _families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
-    out: dict[str, list[tuple[str, dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        assert family.name not in out, f"{family.name} served twice"
-        out[family.name] = [(s.name, s.labels, s.value) for s in family.samples]
-    return out
-
-
-def request(port: int, method: str, path: str, host: str = LOOPBACK) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(host, port, timeout=10)
-    try:
-        conn.request(method, path, body=b"{}" if method == "POST" else None)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-@pytest.fixture
-def upstream() -> Iterator[int]:
-    """A real ``/metrics`` on loopback (prometheus_client's server, as vLLM and LMCache serve theirs)."""
-    port = free_port()
-    server, _thread = start_http_server(port, addr=LOOPBACK, registry=_vllm_like_registry())
-    yield port
-    server.shutdown()
-
-
 # --- merging (pure) ----------------------------------------------------------------------------------------
 
 
 def test_upstream_families_are_re_exported_with_their_names_labels_and_values() -> None:
     own = [GaugeMetricFamily(POOL_BLOCKS, "Blocks.", value=100)]
-    text = generate_latest(_vllm_like_registry()).decode()
+    text = generate_latest(vllm_like_registry()).decode()
     registry = CollectorRegistry(auto_describe=False)
 
     class Merged:
@@ -109,8 +47,8 @@ def test_upstream_families_are_re_exported_with_their_names_labels_and_values() 
             return merge_families(own, [("vllm", text)])  # type: ignore[return-value]
 
     registry.register(Merged())  # type: ignore[arg-type]
-    served = _families(generate_latest(registry).decode())
-    upstream = _families(text)
+    served = metric_families(generate_latest(registry).decode())
+    upstream = metric_families(text)
     for name in ("vllm:prompt_tokens", "vllm:num_requests_running", "vllm:time_to_first_token_seconds"):
         assert served[name] == upstream[name]
     assert served[POOL_BLOCKS] == [(POOL_BLOCKS, {}, 100.0)]
@@ -135,68 +73,6 @@ def test_an_unreadable_or_malformed_upstream_is_down_and_the_rest_is_served() ->
 
 
 # --- the servers (real sockets) ----------------------------------------------------------------------------
-
-
-def test_the_metrics_port_serves_the_pools_and_the_upstreams_series(upstream: int) -> None:
-    port = free_port()
-    upstreams = (
-        MetricsUpstream("vllm", f"http://127.0.0.1:{upstream}/metrics"),
-        MetricsUpstream("sync", f"http://127.0.0.1:{free_port()}/metrics"),  # nothing listens: down
-    )
-    server = start_metrics_server(LOOPBACK, port, FixedSource(), upstreams)
-    try:
-        status, body = request(port, "GET", "/metrics")
-        assert status == 200
-        served = _families(body.decode())
-        assert served["vllm:prompt_tokens"][0][2] == 42.0
-        assert served["process_open_fds"] == [("process_open_fds", {}, 11.0)]
-        assert served[POOL_BLOCKS] == [(POOL_BLOCKS, {}, 100.0)]
-        up = {labels["upstream"]: value for _, labels, value in served[METRICS_UPSTREAM_UP]}
-        assert up == {"vllm": 1.0, "sync": 0.0}
-    finally:
-        server.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("method", "path", "status"),
-    [
-        ("GET", "/v1/models", 404),
-        ("POST", "/v1/completions", 404),
-        ("POST", "/v1/chat/completions", 404),
-        ("GET", "/health", 404),
-        ("POST", "/metrics", 405),
-        ("PUT", "/quota/x", 404),
-        ("DELETE", "/metrics", 405),
-    ],
-)
-def test_the_metrics_port_serves_no_inference_api(method: str, path: str, status: int) -> None:
-    port = free_port()
-    server = start_metrics_server("0.0.0.0", port, FixedSource())
-    try:
-        assert request(port, method, path)[0] == status
-    finally:
-        server.shutdown()
-
-
-def test_debug_is_routed_only_on_loopback_bound_sockets() -> None:
-    public, loopback, debug = free_port(), free_port(), free_port()
-    servers = [
-        start_metrics_server("0.0.0.0", public, FixedSource()),
-        start_metrics_server(LOOPBACK, loopback, FixedSource()),
-        start_debug_server(debug, FixedSource()),
-    ]
-    try:
-        # A socket other pods can reach has no debug route at all, even for a loopback peer.
-        assert request(public, "GET", "/debug/kv")[0] == 404
-        for port in (loopback, debug):
-            status, body = request(port, "GET", "/debug/kv")
-            assert status == 200
-            assert json.loads(body)["plugin"]["total_blocks"] == 100
-        assert servers[2].server_address[0] == LOOPBACK
-        assert request(debug, "GET", "/metrics")[0] == 404  # the debug server is only that
-    finally:
-        for server in servers:
-            server.shutdown()
 
 
 # --- settings and the launcher's plumbing (pure) ------------------------------------------------------------

@@ -8,8 +8,6 @@ dropped on the way to vLLM or LMCache again (issue 11: ``chunk_size`` was).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +44,6 @@ from kvfleet_runtime.engine.launcher import (
     build_vllm_env,
     compute_max_model_len,
     read_model_max_len,
-    remove_stale_lmcache_shm,
     resolve_replica,
 )
 from kvfleet_runtime.engine.restore_bench import Sample, render_markdown, summarize
@@ -488,13 +485,3 @@ def test_restore_bench_summary_orders_states_and_counts_cached_tokens() -> None:
     assert rows[0].p50_ms == 200.0 and rows[0].cached_fraction == 0.0
     assert rows[1].cached_fraction == 0.96
     assert "| cold | 2 | 200 |" in render_markdown(rows)
-
-
-def test_stale_lmcache_shm_files_of_dead_workers_are_removed(tmp_path: Path) -> None:
-    finished = subprocess.Popen(["true"])
-    finished.wait()
-    (tmp_path / f"lmcache_kv_{finished.pid}_0").write_bytes(b"x")
-    (tmp_path / f"lmcache_kv_{os.getpid()}_0").write_bytes(b"x")
-    (tmp_path / "psm_abc").write_bytes(b"x")
-    assert remove_stale_lmcache_shm(tmp_path) == [f"lmcache_kv_{finished.pid}_0"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"lmcache_kv_{os.getpid()}_0", "psm_abc"])

