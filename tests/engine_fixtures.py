@@ -58,6 +58,7 @@ import pytest
 import yaml
 
 from components import missing_component
+from factories import free_port
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
 from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
@@ -151,12 +152,6 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Any:

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from factories import free_port
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
     Isolation,
@@ -204,10 +204,7 @@ async def fake_engines(n: int, **kwargs: Any) -> AsyncIterator[list[FakeEngine]]
 
 def free_closed_port_url() -> str:
     """A URL on a local port nothing listens on (connect is refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @dataclass
@@ -269,12 +266,6 @@ def write_config(directory: Path, table: TenantTable, keys: KeyFile) -> tuple[Pa
     config.write_text(dump_json(table))
     keyfile.write_text(dump_json(keys))
     return config, keyfile
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,18 +38,13 @@ from test_operator_reconcile import (
     tenant,
 )
 
+from factories import free_port
+
 #: Lease timings of the test replicas: the operator's defaults (``kvfleet operator --help``).
 LEASE_NAME = "kvfleet-leader"
 #: The ServiceAccount the replicas run as (the chart's Deployment runs as its own ServiceAccount).
 OPERATOR_SERVICE_ACCOUNT = "kvfleet-operator"
 TEST_IMAGES = {"KVFLEET_ENGINE_IMAGE": "kvfleet-engine:test", "KVFLEET_GATEWAY_IMAGE": "kvfleet:test"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def operator_user(namespace: str) -> str:

@@ -17,7 +17,6 @@ import base64
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from test_operator_reconcile import (
 )
 
 from components import missing_component
+from factories import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfleet"
@@ -73,13 +73,6 @@ def _tool(
 
 def helm(plane: ControlPlane, *args: str) -> subprocess.CompletedProcess[str]:
     return _tool(plane, "helm", *args)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _adopt_crds(plane: ControlPlane, release_ns: str) -> None:
@@ -138,7 +131,7 @@ class ChartOperator:
         args = [
             a for a in container["args"] if not a.startswith(("--metrics-port=", "--probe-address="))
         ]  # the chart's ports may be taken here; the rest is the chart's
-        self.args = [*args, "--metrics-port=0", f"--probe-address=127.0.0.1:{_free_port()}"]
+        self.args = [*args, "--metrics-port=0", f"--probe-address=127.0.0.1:{free_port()}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
         env |= {e["name"]: e["value"] for e in container["env"] if "value" in e}  # not the downward API's
         env |= {"KUBECONFIG": str(kubeconfig), "KVFLEET_RESYNC_SECONDS": "5"}

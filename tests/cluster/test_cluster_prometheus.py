@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from cluster_helpers import wait_for
 from devcluster import PrometheusServer, build_scrape_config
-from devcluster.processes import find_free_port
 from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from factories import free_port
 
 
 def test_prometheus_scrapes_a_local_endpoint_and_answers_promql(
@@ -16,7 +17,7 @@ def test_prometheus_scrapes_a_local_endpoint_and_answers_promql(
     registry = CollectorRegistry()
     probes = Counter("kvfleet_smoke_probes", "Probes answered.", ["tenant"], registry=registry)
     probes.labels(tenant="acme").inc(3)
-    port = find_free_port()
+    port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
     try:
         prom = prometheus(build_scrape_config({"smoke": [f"127.0.0.1:{port}"]}, interval="1s"))

@@ -41,11 +41,12 @@ from devcluster import ControlPlane, build_layout, build_node_manifest, missing_
 from devcluster.binaries import BUILD_COMMAND, FULL_TIER_BINARIES, kwok_stage_files, require_binary
 from devcluster.cluster import build_kwok_args, kwok_node_lease_seconds
 from devcluster.layout import GPU_POOL_LABEL, KWOK_NODE_ANNOTATION, FakeNode
-from devcluster.processes import ManagedProcess, find_free_port, start_process
+from devcluster.processes import ManagedProcess, start_process
 from operators import OperatorReplica, prepare_namespace
 from test_operator_reconcile import get
 
 from components import missing_component
+from factories import free_port
 from kvfleet_operator.build.common import config_map_name, engine_name
 from kvfleet_operator.build.engine import NODE_LOSS_TOLERATION_SECONDS
 from kvfleet_operator.reconcile.node_loss import (
@@ -98,7 +99,7 @@ def _start_node_kubelet(plane: ControlPlane) -> ManagedProcess:
     argv = build_kwok_args(
         require_binary("kwok"),
         plane.kubeconfig,
-        find_free_port(),
+        free_port(),
         kwok_stage_files(),
         LOST_KWOK,
         node_lease_s=kwok_node_lease_seconds(GRACE_PERIOD_S),

@@ -9,7 +9,6 @@ import functools
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,14 +32,8 @@ from test_operator_reconcile import (
     tenant,
 )
 
+from factories import free_port
 from kvfleet_runtime.config import TenantTable
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class OperatorProcess:
@@ -76,7 +69,7 @@ class OperatorProcess:
                 "--metrics-port",
                 "0",
                 "--probe-address",
-                f"127.0.0.1:{_free_port()}",
+                f"127.0.0.1:{free_port()}",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -60,7 +60,8 @@ from kvfleet_dashboards.dashboards import ALL_DASHBOARDS, Query
 from kvfleet_dashboards.promql import metric_names, substitute_grafana_variables
 from test_operator_reconcile import condition, create, load_example, provision_local_nvme, tenant
 
-from engine_fixtures import LMCacheServer, VllmServer, free_port
+from engine_fixtures import LMCacheServer, VllmServer
+from factories import free_port
 from gateway_support import FakeEngine
 from kvfleet_operator.build.common import LABEL_MANAGED_BY, MANAGED_BY
 from kvfleet_operator.metrics import RECONCILES

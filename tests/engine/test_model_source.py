@@ -31,7 +31,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from engine_fixtures import ENGINE_TIMEOUT, free_port, http_text, require_engine
+from engine_fixtures import ENGINE_TIMEOUT, http_text, require_engine
+from factories import free_port
 from kvfleet_runtime.config import (
     EngineSettings,
     KeyFile,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ import pytest
 from devcluster import BUILD_COMMAND, ControlPlane, missing_binaries
 
 from components import missing_component
+from factories import free_port
 from kvfleet_runtime.config import TenantTable, dump_json
 
 # operator_support puts tests/cluster on sys.path (for `operators`) and re-exports its namespace helpers.
@@ -64,13 +64,6 @@ SCRIPT_TIMEOUT = 240
 def page_blocks() -> list[tuple[str, str]]:
     """(language, text) of every fenced block of the page, in order."""
     return re.findall(r"```(bash|python)\n(.*?)```", PAGE.read_text(), re.DOTALL)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_for(check: Any, *, timeout: float, what: str) -> None:
@@ -206,7 +199,7 @@ def scene(api_cluster: ControlPlane, vllm_server: Any, tmp_path: Path) -> Iterat
             timeout=90,
             what=f"the operator's tenant table and key file\n{operator.log()}",
         )
-        port = _free_port()
+        port = free_port()
         with (tmp_path / "gateway.log").open("wb") as log:
             gateway = subprocess.Popen(
                 [
@@ -214,7 +207,7 @@ def scene(api_cluster: ControlPlane, vllm_server: Any, tmp_path: Path) -> Iterat
                     "--config", str(stand_in.config_path),
                     "--keys", str(stand_in.keys_path),
                     "--listen", f"127.0.0.1:{port}",
-                    "--metrics-listen", f"127.0.0.1:{_free_port()}",
+                    "--metrics-listen", f"127.0.0.1:{free_port()}",
                     "--reload-interval", "0.2",
                 ],
                 stdout=log,

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from engine_fixtures import VllmServer, free_port, http_json, http_text
+from engine_fixtures import VllmServer, http_json, http_text
+from factories import free_port
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import LMCACHE_CHUNK_BYTES, SALT_KEY_HEX, keys, make_prompt, table, tenant
 
-from engine_fixtures import ENGINE_TIMEOUT, LMCacheServer, VllmServer, free_port, http_text
+from engine_fixtures import ENGINE_TIMEOUT, LMCacheServer, VllmServer, http_text
+from factories import free_port
 from kvfleet_runtime.config import derive_cache_salt, dump_json
 from kvfleet_runtime.engine.launcher import EngineProcess
 

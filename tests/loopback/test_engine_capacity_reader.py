@@ -6,12 +6,12 @@ is not an engine's is ignored, and a pod that does not answer is given up on wit
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
+from factories import free_port
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
 from kvfleet_operator.reconcile.capacity import MetricsTarget
 
@@ -66,17 +66,10 @@ async def engines() -> AsyncIterator[_Engines]:
     await runner.cleanup()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 async def test_reader_reads_each_pod_once_and_retries_failures_later(engines: _Engines) -> None:
     now = [100.0]
     reader = EngineCapacityReader(timeout_s=2, retry_s=60, clock=lambda: now[0])
-    dead = MetricsTarget("uid-dead", "dead", f"http://127.0.0.1:{_closed_port()}/metrics")
+    dead = MetricsTarget("uid-dead", "dead", f"http://127.0.0.1:{free_port()}/metrics")
     targets = [engines.target("a"), engines.target("b"), engines.target("early"), dead]
     assert await reader.read(targets) == {"a": 900, "b": 870}
     assert engines.requests == {"/a": 1, "/b": 1, "/early": 1}
