@@ -1,5 +1,5 @@
 """The API server and etcd die while the operator reconciles, and come back: the operator recovers and
-converges (issue 15, item 4: "the API server and etcd restart during reconciles").
+converges.
 
 A Tenant is created and, at once, etcd and kube-apiserver are killed (kill -9) for longer than the
 leader's renew deadline. The leader cannot renew its Lease, so its watchdog ends it (exit status 3); the

@@ -1,4 +1,4 @@
-"""Planned vs reported KV capacity on the real API server (issue 14, item 3): the status fields the CRD
+"""Planned vs reported KV capacity on the real API server: the status fields the CRD
 stores, admission against the reported figure, ``CapacityBelowPlan``, and a converged resync with no
 write.
 

@@ -418,8 +418,8 @@ def test_non_gateway_pods_cannot_reach_any_engine_port(
 def test_scraper_reaches_the_metrics_port_only(
     plane: ControlPlane, probes: dict[str, tuple[str, str]], port_name: str
 ) -> None:
-    """Issue 13's gateway bypass, closed: a labelled scraper in the scrapers' namespace gets the pod's
-    metrics port and nothing else (no inference, no LMCache)."""
+    """No way around the gateway through the metrics scraper: a labelled scraper in the scrapers'
+    namespace gets the pod's metrics port and nothing else (no inference, no LMCache)."""
     ns, pod = probes["scraper"]
     result = connect(plane, ns, pod, _engine_ip(plane), PROBE_PORTS[port_name])
     if PROBE_PORTS[port_name] == PLUGIN_METRICS_PORT:

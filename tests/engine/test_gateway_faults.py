@@ -1,4 +1,4 @@
-"""Data-plane faults on real components (issue 15, item 4): what a client of the gateway sees when an
+"""Data-plane faults on real components: what a client of the gateway sees when an
 engine dies mid-stream, when an engine hangs, when the LMCache server dies, and when the gateway itself
 is rolled.
 

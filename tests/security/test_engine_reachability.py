@@ -198,9 +198,9 @@ def test_the_gateway_reaches_vllm_and_nothing_else(engine: str) -> None:
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_prometheus_reaches_the_metrics_port_only(engine: str) -> None:
-    """Threat: the metrics scraper as a way around the gateway (the hole of issue 13: pods labelled
-    ``kvfleet.io/metrics-scraper=true`` in any namespace reached vLLM's OpenAI port). A scraper of the
-    monitoring namespace reaches the metrics port of every pool, and nothing else."""
+    """Threat: the metrics scraper as a way around the gateway (pods labelled
+    ``kvfleet.io/metrics-scraper=true`` in any other namespace must not reach vLLM's OpenAI port). A
+    scraper of the monitoring namespace reaches the metrics port of every pool, and nothing else."""
     assert allowed_ports(POLICIES, NAMESPACES, PROMETHEUS, ENGINES[engine]) == {PLUGIN_METRICS_PORT}
 
 

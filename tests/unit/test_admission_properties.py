@@ -206,8 +206,8 @@ def _tenant(name: str, created: int, hbm: str, admitted: str | None = None, burs
 
 
 def test_an_older_tenants_raise_cannot_evict_a_younger_serving_tenant() -> None:
-    """The attack of issue 13: 'old' serves at 30%, 'young' at 50%; 'old' asks for 60%. Before, admission
-    was recomputed first come, first served and 'young' lost its place."""
+    """A raise cannot evict by seniority: 'old' serves at 30%, 'young' at 50%; 'old' asks for 60%. Were
+    admission recomputed first come, first served, 'young' would lose its place to 'old'."""
     decisions = admit_tenants(
         CAPACITY, [_tenant("old", 1, "60%", admitted="30%"), _tenant("young", 2, "50%", admitted="50%")]
     )

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 RULE_TESTS = REPO / "dashboards" / "rules" / "kvfleet-alerts_test.yaml"
 OPERATIONS = REPO / "docs" / "operations.md"
 
-#: What the issue asks alerts for, and the alert that covers each.
+#: What kvfleet must alert on, and the alert that covers each.
 REQUIRED = {
     "KV cache usage above 90%": "KvfleetKVCacheNearlyFull",
     "tenant TTFT p99 above 500 ms": "KvfleetTenantTTFTSLOBreached",

@@ -2,7 +2,7 @@
 
 The tables below name every field of ``EngineSettings`` and ``LMCacheSettings``; a test fails when a field
 is added without a flag (or without a reason it has none), so a setting the operator renders cannot be
-dropped on the way to vLLM or LMCache again (issue 11: ``chunk_size`` was).
+dropped on the way to vLLM or LMCache (as ``chunk_size`` once was).
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def test_resolve_replica_refuses_what_it_cannot_launch() -> None:
         resolve_replica(_table(None), "p")
 
 
-# --- the bug of issue 11: spec.kvCache.chunkSize reaches LMCache ------------------------------------------
+# --- spec.kvCache.chunkSize reaches LMCache ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128, 512])

@@ -1,5 +1,5 @@
-"""Issue 14, items 1 and 3, pure parts: model sources in the API, the engine pod and the launcher; the
-planner's reserve; vLLM's reported KV blocks. The download itself runs for real in
+"""Model sources and reported KV capacity, the pure parts: model sources in the API, the engine pod and
+the launcher; the planner's reserve; vLLM's reported KV blocks. The download itself runs for real in
 tests/engine/test_model_source.py."""
 
 from __future__ import annotations
