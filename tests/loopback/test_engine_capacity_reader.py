@@ -15,15 +15,6 @@ from factories import free_port
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
 from kvfleet_operator.reconcile.capacity import MetricsTarget
 
-# --- which pods are read -------------------------------------------------------------------------------
-
-
-# --- which figure admission counts on ------------------------------------------------------------------
-
-
-# --- what a human is told ------------------------------------------------------------------------------
-
-
 # --- the reader ---------------------------------------------------------------------------------------
 
 PAGE = (

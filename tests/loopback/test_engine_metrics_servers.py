@@ -55,9 +55,6 @@ def upstream() -> Iterator[int]:
     server.shutdown()
 
 
-# --- merging (pure) ----------------------------------------------------------------------------------------
-
-
 # --- the servers (real sockets) ----------------------------------------------------------------------------
 
 
@@ -121,6 +118,3 @@ def test_debug_is_routed_only_on_loopback_bound_sockets() -> None:
     finally:
         for server in servers:
             server.shutdown()
-
-
-# --- settings and the launcher's plumbing (pure) ------------------------------------------------------------

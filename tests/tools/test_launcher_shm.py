@@ -9,17 +9,6 @@ from pathlib import Path
 
 from kvfleet_runtime.engine.launcher import remove_stale_lmcache_shm
 
-# --- every field reaches a flag ---------------------------------------------------------------------------
-
-
-# --- resolve_replica: the one place the table meets the launching process ----------------------------------
-
-
-# --- the bug of issue 11: spec.kvCache.chunkSize reaches LMCache ------------------------------------------
-
-
-# --- the rest of the launcher's pure half ------------------------------------------------------------------
-
 
 def test_stale_lmcache_shm_files_of_dead_workers_are_removed(tmp_path: Path) -> None:
     finished = subprocess.Popen(["true"])

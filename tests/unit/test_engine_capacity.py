@@ -211,6 +211,3 @@ def test_status_shows_both_figures_and_degrades_below_plan() -> None:
     )
     assert "reportedBlocks" not in fresh["kvCapacity"] and fresh["kvCapacity"]["plannedBlocks"] == 10
     assert {c["type"]: c["status"] for c in fresh["conditions"]}["Degraded"] == "False"
-
-
-# --- the reader ---------------------------------------------------------------------------------------

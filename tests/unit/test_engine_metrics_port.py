@@ -72,9 +72,6 @@ def test_an_unreadable_or_malformed_upstream_is_down_and_the_rest_is_served() ->
     assert merge_families([], []) == []  # no upstreams: no up series either
 
 
-# --- the servers (real sockets) ----------------------------------------------------------------------------
-
-
 # --- settings and the launcher's plumbing (pure) ------------------------------------------------------------
 
 
