@@ -20,7 +20,7 @@ venv: ## Create .venv with the dev extras.
 	@hack/bootstrap.sh
 
 lint: venv ## ruff, mypy --strict and the import contracts (lint-imports).
-	@.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy && .venv/bin/lint-imports
+	@hack/lint.sh
 
 unit: venv ## The light tiers, no provisioning: tests/unit (starts nothing), tests/tools (helm, promtool, scripts as subprocesses), tests/loopback (servers on 127.0.0.1); a test whose real component is missing skips (KVFLEET_ALLOW_MISSING=1).
 	@KVFLEET_ALLOW_MISSING=1 .venv/bin/pytest -m "unit or tools or loopback"

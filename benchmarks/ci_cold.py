@@ -17,11 +17,17 @@ under ``WORKDIR`` (25 GB with ``--warm-images``).
     .venv/bin/python benchmarks/ci_cold.py parse LOG --command "CI=true .ci/run"  # a log made another way
 
 Figures: ``total_s`` (first line to last); ``bootstrap_s``, ``provision_s`` (every provisioning step, the
-lanes side by side), ``lint_s`` (ruff, mypy, import contracts) and ``tests_s`` (pytest), which add up to
-the total, each from the ``==> `` lines ``hack/test.sh`` prints; one ``provision_<step>_s`` per
-``hack/provision.d`` step (from its ``<== STEP: done in N s`` line; the steps of the two lanes overlap);
-``go_<group>_build_s`` for every ``<group>: done in N s`` line of ``hack/build-cluster.sh``; ``limit_s``
-(90 minutes). Details: pytest's summary line and the exit status.
+lanes side by side), ``lint_s`` (ruff, mypy, import contracts) and ``tests_s`` (pytest), each from the
+``==> `` lines ``hack/test.sh`` prints; one ``provision_<step>_s`` per ``hack/provision.d`` step (from its
+``<== STEP: done in N s`` line; the steps of the lanes overlap); ``go_<group>_build_s`` for every
+``<group>: done in N s`` line of ``hack/build-cluster.sh``; ``limit_s`` (90 minutes). Details: pytest's
+summary line and the exit status.
+
+Two log formats: in the older one lint ran after provisioning, from its ``==> ruff`` line to ``==> pytest``,
+and the four phases add up to the total. In today's (``hack/provision.sh``) lint is a lane of its own beside
+the provisioning steps (``==> hack/lint.sh`` ... ``<== hack/lint.sh: done in N s``): ``lint_s`` is that
+lane's own time, inside ``provision_s`` (which lasts from the first step to ``==> pytest``, every lane
+ended), and bootstrap, provision and tests add up to the total.
 """
 
 from __future__ import annotations
@@ -46,29 +52,35 @@ _GO_DONE = re.compile(r"\[build-cluster[^]]*\] ([a-z0-9-]+): done in (\d+) s")
 _PYTEST_SUMMARY = re.compile(r"=+ (.*\d+ (passed|failed).* in [\d.]+s.*) =+")
 #: hack/test.sh's phase lines after the provisioning steps (bootstrap starts at the log's first line).
 _PHASES = (("lint", "==> ruff"), ("tests", "==> pytest"))
-_STEP = re.compile(r"^==> hack/provision\.d/\d+-([a-z0-9-]+)\.sh$")
+#: A step's start: ``==> STEP`` alone, or followed by what it does (hack/provision.sh).
+_STEP = re.compile(r"^==> hack/provision\.d/\d+-([a-z0-9-]+)\.sh(?: .*)?$")
 _STEP_END = re.compile(
     r"^<== hack/provision\.d/\d+-([a-z0-9-]+)\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$"
 )
+#: The end of the lint lane beside provisioning (hack/test.sh: hack/provision.sh --also hack/lint.sh).
+_LINT_LANE_END = re.compile(r"^<== hack/lint\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$")
 
 
 @dataclass(frozen=True)
 class ColdRun:
     """What a log says: seconds per phase (in log order; they add up to the total), per provisioning
-    step, per Go build group, and pytest's summary."""
+    step, per Go build group, pytest's summary, and the lint lane's own time when lint ran beside
+    provisioning (then no phase of its own)."""
 
     total_s: int
     phases: dict[str, int]
     steps: dict[str, int]
     go_builds: dict[str, int]
     pytest_summary: str
+    lint_lane_s: int | None = None
 
 
 def parse_log(lines: Sequence[str]) -> ColdRun:
     """The phases of a time-stamped ``.ci/run`` log (pure). A phase lasts from its ``==> `` line to the
     next phase's; the last one to the last line. Bootstrap lasts from the first line to the first
-    provisioning step, provisioning from there to lint. A step lasts what its ``<== `` line says; in a log
-    of the sequential ``hack/test.sh`` (no such lines), from its ``==> `` line to the next one."""
+    provisioning step, provisioning from there to the next phase (lint, or pytest when lint ran as a lane
+    beside it). A step lasts what its ``<== `` line says; in a log of the sequential ``hack/test.sh`` (no
+    such lines), from its ``==> `` line to the next one."""
     stamped: list[tuple[int, str]] = []
     offset = previous = 0
     for line in lines:
@@ -88,6 +100,7 @@ def parse_log(lines: Sequence[str]) -> ColdRun:
     ended: dict[str, int] = {}
     go_builds: dict[str, int] = {}
     summary = ""
+    lint_lane: int | None = None
     for at, text in stamped:
         step = _STEP.match(text.strip())
         if step is not None:
@@ -97,6 +110,9 @@ def parse_log(lines: Sequence[str]) -> ColdRun:
         step_end = _STEP_END.match(text.strip())
         if step_end is not None:
             ended[step_end.group(1)] = int(step_end.group(2))
+        lint_end = _LINT_LANE_END.match(text.strip())
+        if lint_end is not None:
+            lint_lane = int(lint_end.group(1))
         starts.extend((phase, at) for phase, marker in _PHASES if text.strip() == marker)
         done = _GO_DONE.search(text)
         if done is not None:
@@ -108,20 +124,24 @@ def parse_log(lines: Sequence[str]) -> ColdRun:
     phases = {
         name: (starts[i + 1][1] if i + 1 < len(starts) else end) - at for i, (name, at) in enumerate(starts)
     }
-    lint = next((at for name, at in starts if name == "lint"), end)
+    after = next((at for name, at in starts if name in ("lint", "tests")), end)
     steps = {
         name: ended[name]
         if name in ended
-        else (step_starts[i + 1][1] if i + 1 < len(step_starts) else lint) - at
+        else (step_starts[i + 1][1] if i + 1 < len(step_starts) else after) - at
         for i, (name, at) in enumerate(step_starts)
     }
-    return ColdRun(end - stamped[0][0], phases, steps, go_builds, summary)
+    return ColdRun(end - stamped[0][0], phases, steps, go_builds, summary, lint_lane)
 
 
 def figures_of(run: ColdRun) -> dict[str, Figure]:
     figures = {"total_s": Figure.single(run.total_s, "s", note="first line of .ci/run's output to last")}
     for phase, seconds in run.phases.items():
         figures[f"{phase}_s"] = Figure.single(seconds, "s")
+    if run.lint_lane_s is not None:
+        figures["lint_s"] = Figure.single(
+            run.lint_lane_s, "s", note="the lint lane's own time, beside provisioning (inside provision_s)"
+        )
     for step, seconds in run.steps.items():
         figures[f"provision_{step.replace('-', '_')}_s"] = Figure.single(seconds, "s", note="the step alone")
     for group, seconds in run.go_builds.items():

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # lane: build
+# what: the real node: containerd (apt), kubelet, kube-proxy, CoreDNS, kube-router (Go)
+# takes: ~11 min cold on 2 cores, seconds warm
 # Provision the real node tier of the local cluster (hack/devcluster, `--tier node`):
 #   * Debian's containerd 1.6 + runc, CNI plugins, ipset and conntrack (apt);
 #   * kubelet and kube-proxy (same wrapper module and version as the control plane), the pause binary,
@@ -9,8 +11,8 @@
 # Idempotent: stamps make a warm run take seconds. Binaries go to $KVFLEET_CACHE/bin (default
 # ~/.cache/kvfleet/bin), never into the repository.
 #
-# A failure exits non-zero naming what is missing; hack/test.sh stops there unless the caller opted out
-# with KVFLEET_ALLOW_MISSING=1. The node needs root (containerd, the kubelet, iptables).
+# A failure exits non-zero naming what is missing; hack/provision.sh stops its lane there unless the
+# caller opted out with KVFLEET_ALLOW_MISSING=1. The node needs root (containerd, the kubelet, iptables).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

