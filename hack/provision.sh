@@ -128,7 +128,10 @@ run_lane() {  # lane strict steps... (strict: a failure fails the run even under
   rm -f "$state/lane.$lane"
   for step in "$@"; do  # the steps a failure skipped
     name=$(basename "$step" .sh)
-    [ -e "$state/ended.$name" ] || { touch "$state/ended.$name"; outcome "$name" failed; }
+    [ ! -e "$state/ended.$name" ] || continue
+    touch "$state/ended.$name"
+    outcome "$name" failed
+    say "    $step: not run (its lane stopped at the failure above)"
   done
 }
 

@@ -141,6 +141,7 @@ def test_a_failed_step_stops_its_lane_fails_the_run_and_shows_its_log(tmp_path: 
     )
     at = _order(root)
     assert "40-images start" not in at  # the rest of its lane may need what it makes
+    assert "    hack/provision.d/40-images.sh: not run (its lane stopped at the failure above)" in done.stdout
     assert "30-node end" in at  # the other lane went on
     log = root / "cache/logs/provision/20-engine.log"
     assert f"    its output: {log}" in done.stdout
