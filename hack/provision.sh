@@ -27,7 +27,8 @@
 # the steps' own timing lines (`[build-cluster HH:MM:SS] GROUP: done in N s`) with the lane in front.
 #
 # With KVFLEET_PROVISION_STATE set, each step's outcome is written into that folder as it ends: `STEP.done`
-# or `STEP.failed` (also for the steps a failure skipped), for whoever waits on a step.
+# or `STEP.failed` (also for the steps a failure skipped), for whoever waits on a step; a file `quiet`
+# there (hack/test.sh, once pytest prints) stops the running clock and its progress lines.
 #
 # Failures: a lane stops at its first failed step (later steps may need what it makes) unless
 # KVFLEET_ALLOW_MISSING=1, which goes on past it; the run waits for every lane, lists each failed step
@@ -60,14 +61,16 @@ tty=0
 state=$(mktemp -d)
 if [ -n "${KVFLEET_PROVISION_STATE:-}" ]; then
   mkdir -p "$KVFLEET_PROVISION_STATE"
-  rm -f "$KVFLEET_PROVISION_STATE"/*.done "$KVFLEET_PROVISION_STATE"/*.failed
+  rm -f "$KVFLEET_PROVISION_STATE"/*.done "$KVFLEET_PROVISION_STATE"/*.failed "$KVFLEET_PROVISION_STATE/quiet"
 fi
 started_at=$EPOCHSECONDS
 
 shown() { case $1 in "$HOME"/*) echo "~${1#"$HOME"}" ;; *) echo "$1" ;; esac; }
 clock() { printf '%d:%02d' $(($1 / 60)) $(($1 % 60)); }
+# Quiet: someone else prints now (hack/test.sh's pytest, started beside the late steps); no running clock.
+quiet() { [ -n "${KVFLEET_PROVISION_STATE:-}" ] && [ -e "$KVFLEET_PROVISION_STATE/quiet" ]; }
 # One line of the driver's own, whole (on a terminal it first wipes the running clock's line).
-say() { if [ "$tty" = 1 ]; then printf '\r\033[K%s\n' "$*"; else printf '%s\n' "$*"; fi; }
+say() { if [ "$tty" = 1 ] && ! quiet; then printf '\r\033[K%s\n' "$*"; else printf '%s\n' "$*"; fi; }
 field() { sed -n "s/^# $2: *//p" "$1" | head -1; }
 lane_of() { sed -n 's/^# lane: *\([a-z]*\).*/\1/p' "$1" | head -1 | grep . || echo "${2:-build}"; }
 outcome() {  # step done|failed
@@ -146,6 +149,7 @@ progress() {  # on a terminal the line rewritten in place every second, else a l
       line+="${line:+, }$name ($(clock $((now - since))))"
     done
     [ -n "$line" ] || continue
+    ! quiet || continue
     line="[$(clock $((now - started_at)))] running: $line"
     if [ "$tty" = 1 ]; then
       printf '\r\033[K%s' "${line:0:$(($(tput cols 2>/dev/null || echo 80) - 1))}"

@@ -16,21 +16,60 @@ hack/bootstrap.sh
 # The provisioning steps (hack/provision.d/*.sh) run in their lanes side by side, each lane in order,
 # through hack/provision.sh (the same driver as `make demo`), and the static checks (hack/lint.sh: ruff,
 # ruff format --check, mypy --strict, the import contracts) run as a third lane beside them, from the end
-# of 20-engine on (mypy reads the vLLM and torch it installs). A failed step or check fails the run once
-# every lane has ended, before pytest, with its log's last lines; KVFLEET_ALLOW_MISSING=1 goes on past a
-# failed step, never past a failed check.
+# of 20-engine on (mypy reads the vLLM and torch it installs).
+#
+# pytest starts as soon as what most tests need has ended (10-cluster, 20-engine) and the checks passed;
+# the steps only a few tests need (30-node, 40-images: the real node and the images, 17 minutes on a cold
+# machine) go on beside the tests, and those tests wait for them (tests/provisioning_plugin.py reads the
+# outcome each step leaves in $KVFLEET_PROVISION_STATE). A failed check, or a failed step that pytest
+# starts after, fails the run once every lane has ended, before pytest, with its log's last lines; a failed
+# late step fails the tests that need it and the run. KVFLEET_ALLOW_MISSING=1 goes on past a failed step
+# (its tests skip), never past a failed check.
 failures=$(mktemp)
-trap 'rm -f "$failures"' EXIT
-provisioned=0
-hack/provision.sh --for "make test" --also hack/lint.sh --failures "$failures" || provisioned=$?
-mapfile -t failed_steps <"$failures"
-if [ "$provisioned" != 0 ]; then
-  if [ "${KVFLEET_ALLOW_MISSING:-}" != 1 ] && grep -q '^hack/provision\.d/' "$failures"; then
-    echo "make test: KVFLEET_ALLOW_MISSING=1 make test runs without what a failed step provisions," \
-      "skipping the tests that need it." >&2
-  fi
-  exit 1
+KVFLEET_PROVISION_STATE=$(mktemp -d)
+export KVFLEET_PROVISION_STATE
+driver=""
+cleanup() {
+  [ -z "$driver" ] || kill "$driver" 2>/dev/null || true
+  rm -rf "$failures" "$KVFLEET_PROVISION_STATE"
+}
+trap cleanup EXIT
+hack/provision.sh --for "make test" --also hack/lint.sh --failures "$failures" &
+driver=$!
+ended() { [ -e "$KVFLEET_PROVISION_STATE/$1.done" ] || [ -e "$KVFLEET_PROVISION_STATE/$1.failed" ]; }
+first_steps=(10-cluster 20-engine lint)
+while kill -0 "$driver" 2>/dev/null; do
+  waiting=0
+  for step in "${first_steps[@]}"; do ended "$step" || waiting=1; done
+  [ "$waiting" = 1 ] || break
+  sleep 0.2
+done
+# A failed check always stops the run before pytest; a failed first step too, unless the caller opted out.
+early_failure=0
+[ ! -e "$KVFLEET_PROVISION_STATE/lint.failed" ] || early_failure=1
+if [ "${KVFLEET_ALLOW_MISSING:-}" != 1 ]; then
+  for step in 10-cluster 20-engine; do [ ! -e "$KVFLEET_PROVISION_STATE/$step.failed" ] || early_failure=1; done
 fi
+finish_provisioning() {  # the driver's exit status, once every lane has ended
+  local status=0
+  wait "$driver" || status=$?
+  driver=""
+  return "$status"
+}
+if [ "$early_failure" = 1 ] || ! kill -0 "$driver" 2>/dev/null; then
+  provisioned=0
+  finish_provisioning || provisioned=$?
+  if [ "$provisioned" != 0 ]; then
+    if [ "${KVFLEET_ALLOW_MISSING:-}" != 1 ] && grep -q '^hack/provision\.d/' "$failures"; then
+      echo "make test: KVFLEET_ALLOW_MISSING=1 make test runs without what a failed step provisions," \
+        "skipping the tests that need it." >&2
+    fi
+    exit 1
+  fi
+fi
+# From here on the driver prints only its step lines (no running clock between pytest's lines).
+touch "$KVFLEET_PROVISION_STATE/quiet"
+[ ! -t 1 ] || printf '\r\033[K'
 echo "==> pytest"
 # Two workers side by side, each heavy setup whole on one of them (tests/parallel_plugin.py), and every
 # test's and fixture's durations into a results file (tests/durations_plugin.py; docs/benchmarks.md).
@@ -41,7 +80,11 @@ parallel=()
 status=0
 KVFLEET_DURATIONS_COMMAND="make test (pytest ${parallel[*]})" .venv/bin/pytest "${parallel[@]}" \
   --durations-results benchmarks/results/test_durations.json "$@" || status=$?
-if [ ${#failed_steps[@]} -gt 0 ]; then
+provisioned=0
+[ -z "$driver" ] || finish_provisioning || provisioned=$?
+mapfile -t failed_steps <"$failures"
+if [ ${#failed_steps[@]} -gt 0 ] && [ "${KVFLEET_ALLOW_MISSING:-}" = 1 ]; then
   echo "make test: not provisioned (KVFLEET_ALLOW_MISSING=1): ${failed_steps[*]}" >&2
 fi
+[ "$provisioned" = 0 ] || exit 1
 exit "$status"

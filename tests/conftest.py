@@ -21,7 +21,13 @@ TESTS = Path(__file__).resolve().parent
 
 # The real control plane and Prometheus fixtures (api_cluster, full_cluster, prometheus), the real engines,
 # the groups that keep heavy setups on one xdist worker, and the durations results file.
-pytest_plugins = ["cluster_fixtures", "engine_fixtures", "parallel_plugin", "durations_plugin"]
+pytest_plugins = [
+    "cluster_fixtures",
+    "engine_fixtures",
+    "parallel_plugin",
+    "durations_plugin",
+    "provisioning_plugin",
+]
 
 #: The tiers, each a folder under tests/ named after its marker, cheapest first: ``unit`` starts nothing,
 #: ``tools`` runs provisioned tools and scripts as subprocesses, ``loopback`` starts servers on loopback,

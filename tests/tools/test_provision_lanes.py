@@ -36,15 +36,17 @@ STEPS = {
 NOISE_LINES = 50  # more than the tail printed on failure
 
 
-def _tree(tmp_path: Path, fail: str = "", lint_fails: bool = False) -> Path:
-    """A copy of the scripts under test with stand-in steps and tools; `fail` names a step that exits 7."""
+def _tree(tmp_path: Path, fail: str = "", lint_fails: bool = False, late_s: float | None = None) -> Path:
+    """A copy of the scripts under test with stand-in steps and tools; `fail` names a step that exits 7;
+    `late_s` makes the late steps (30-node, 40-images) take that long."""
     hack = tmp_path / "hack"
     (hack / "provision.d").mkdir(parents=True)
     for script in ("test.sh", "demo.sh", "provision.sh", "lint.sh"):
         shutil.copy(REPO / "hack" / script, hack / script)
     (hack / "bootstrap.sh").write_text("#!/bin/sh\nexit 0\n")
-    for name, (header, seconds) in STEPS.items():
+    for name, (header, usual_s) in STEPS.items():
         status = 7 if name == fail else 0
+        seconds = late_s if late_s is not None and name in ("30-node", "40-images") else usual_s
         (hack / "provision.d" / f"{name}.sh").write_text(
             f"#!/usr/bin/env bash\n{header}\n# what: makes {name}\n# takes: ~{seconds} s here\n"
             f"echo '{name} start' $(date +%s.%N) >>'{tmp_path}/order'\n"
@@ -56,6 +58,9 @@ def _tree(tmp_path: Path, fail: str = "", lint_fails: bool = False) -> Path:
     venv.mkdir(parents=True)
     for tool in ("ruff", "mypy", "lint-imports", "pytest", "kvfleet"):
         (venv / tool).write_text(f'#!/bin/sh\necho "{tool} ran" >>\'{tmp_path}/tools\'\necho "{tool} ran"\n')
+    (venv / "pytest").write_text(
+        f"#!/bin/sh\necho \"pytest start $(date +%s.%N)\" >>'{tmp_path}/order'\necho 'pytest ran'\n"
+    )
     (venv / "mypy").write_text(
         f"#!/bin/sh\necho \"lint start $(date +%s.%N)\" >>'{tmp_path}/order'\n"
         + ("echo 'runtime/x.py:1: error: bad'; exit 1\n" if lint_fails else "echo 'mypy ran'\n")
@@ -219,7 +224,6 @@ def test_make_test_lints_beside_provisioning_and_a_lint_failure_fails_it_before_
     assert "==> hack/lint.sh [lint] ruff check, ruff format --check, mypy --strict, import contracts" in (
         done.stdout
     )
-    assert done.stdout.index("<== hack/provision.d/30-node.sh") < done.stdout.index("pytest ran")
     assert "mypy ran" not in done.stdout  # the checks' output is in the lint lane's log
 
     failing = _tree(tmp_path / "lint", lint_fails=True)
@@ -230,6 +234,28 @@ def test_make_test_lints_beside_provisioning_and_a_lint_failure_fails_it_before_
         assert "    | runtime/x.py:1: error: bad" in done.stderr
         assert "pytest ran" not in done.stdout
         assert "40-images end" in _order(failing)  # provisioning ran to its end all the same
+
+
+def test_pytest_starts_beside_the_late_steps_and_their_failure_fails_the_run(tmp_path: Path) -> None:
+    """pytest starts once 10-cluster, 20-engine and the checks have ended, while 30-node and 40-images go
+    on; the run waits for them after pytest, and one that failed fails the run although pytest passed
+    (its tests fail or skip on their own: tests/provisioning_plugin.py)."""
+    root = _tree(tmp_path, late_s=3.0)
+    done = _run(root, "test.sh")
+    assert done.returncode == 0, done.stderr
+    at = _order(root)
+    assert max(at["10-cluster end"], at["20-engine end"], at["lint start"]) <= at["pytest start"]
+    assert at["pytest start"] < min(at["30-node end"], at["40-images end"])
+    assert "<== hack/provision.d/40-images.sh: done in" in done.stdout  # reported after pytest started
+
+    failing = _tree(tmp_path / "late", fail="40-images", late_s=1.5)
+    done = _run(failing, "test.sh")
+    assert done.returncode == 1
+    assert "pytest ran" in done.stdout
+    assert "make test: hack/provision.d/40-images.sh failed" in done.stderr
+    opted_out = _run(failing, "test.sh", KVFLEET_ALLOW_MISSING="1")
+    assert opted_out.returncode == 0, opted_out.stderr
+    assert "not provisioned (KVFLEET_ALLOW_MISSING=1): hack/provision.d/40-images.sh" in opted_out.stderr
 
 
 def test_make_test_fails_on_a_failed_step_and_says_how_to_opt_out(tmp_path: Path) -> None:

