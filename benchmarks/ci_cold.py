@@ -12,7 +12,8 @@ content tags). What stays warm: the machine's own tools (Go, Python) and the Deb
 provisioning steps install with apt when missing (podman, containerd, prometheus, ...). Disk: about 35 GB
 under ``WORKDIR`` (25 GB with ``--warm-images``).
 
-    .venv/bin/python benchmarks/ci_cold.py run WORKDIR [--warm-images] [--results PATH]  # about 1.5 hours
+    .venv/bin/python benchmarks/ci_cold.py run WORKDIR [--warm-images] [--results PATH]  # about 1 hour
+    .venv/bin/python benchmarks/ci_cold.py run WORKDIR --warm   # a provisioned machine: ci_warm.json
     .venv/bin/python benchmarks/ci_cold.py parse LOG [--results PATH]     # the figures of a logged run
     .venv/bin/python benchmarks/ci_cold.py parse LOG --command "CI=true .ci/run"  # a log made another way
 
@@ -43,9 +44,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import JsonValue
-from results_format import REPO, Figure, Machine, add_results_argument, measured, write_results
+from results_format import (
+    REPO,
+    Figure,
+    Machine,
+    add_results_argument,
+    default_path,
+    measured,
+    name_of,
+    write_results,
+)
 
 NAME = "ci_cold"
+#: The same run on a provisioned machine (``run --warm``).
+WARM_NAME = "ci_warm"
 LIMIT_S = 90 * 60
 _LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) (.*)$")
 _GO_DONE = re.compile(r"\[build-cluster[^]]*\] ([a-z0-9-]+): done in (\d+) s")
@@ -176,16 +188,25 @@ def _cold_env(workdir: Path, warm_images: bool) -> dict[str, str]:
     return env
 
 
-def run_cold(workdir: Path, warm_images: bool = False) -> tuple[Path, int]:
-    """Clone HEAD into ``workdir/repo``, run ``.ci/run`` there on empty caches; the log and exit status."""
+def _warm_env() -> dict[str, str]:
+    """The machine's own caches (a provisioned machine): only CI=true and no opt-out."""
+    env = dict(os.environ, CI="true")
+    env.pop("KVFLEET_ALLOW_MISSING", None)
+    return env
+
+
+def run_cold(workdir: Path, warm_images: bool = False, warm: bool = False) -> tuple[Path, int]:
+    """Clone HEAD into ``workdir/repo``, run ``.ci/run`` there on empty caches (with ``warm``: on the
+    machine's own caches, as on a provisioned machine); the log and exit status."""
     if workdir.exists() and any(workdir.iterdir()):
         raise SystemExit(f"{workdir} is not empty: give a new folder (every cache under it must start empty)")
     workdir.mkdir(parents=True, exist_ok=True)
     repo = workdir / "repo"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(repo)], check=True)
     log = workdir / "log"
-    env = _cold_env(workdir, warm_images)
-    Path(env["XDG_CACHE_HOME"]).mkdir(parents=True, exist_ok=True)
+    env = _warm_env() if warm else _cold_env(workdir, warm_images)
+    if not warm:
+        Path(env["XDG_CACHE_HOME"]).mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(
             [".ci/run"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -208,6 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_p.add_argument(
         "--warm-images", action="store_true", help="keep podman's own image store (default: a new, empty one)"
     )
+    run_p.add_argument(
+        "--warm",
+        action="store_true",
+        help=f"a provisioned machine: keep every cache (only the clone and its .venv are new); results named "
+        f"{WARM_NAME} (benchmarks/results/{WARM_NAME}.json)",
+    )
     parse_p = sub.add_parser("parse", help="the figures of a log written by 'run'")
     parse_p.add_argument("log", type=Path)
     parse_p.add_argument("--exit-status", type=int, default=None, help="the run's exit status, if known")
@@ -223,15 +250,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--load-note", default="", help="how busy the machine was (written to the file)")
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
+    warm = args.command == "run" and args.warm
+    if warm and args.results == default_path(NAME):
+        args.results = default_path(WARM_NAME)
     if args.command == "run":
-        log, status = run_cold(args.workdir, args.warm_images)
+        log, status = run_cold(args.workdir, args.warm_images, warm)
     else:
         log, status = args.log, args.exit_status
     run = parse_log(log.read_text().splitlines())
     details: dict[str, JsonValue] = {"pytest": run.pytest_summary}
     if status is not None:
         details["exit_status"] = status
-    command = ".venv/bin/python benchmarks/ci_cold.py run WORKDIR"
+    command = ".venv/bin/python benchmarks/ci_cold.py run WORKDIR" + (" --warm" if warm else "")
     if args.command == "parse" and args.command_run:
         command = args.command_run
     if args.command == "run":
@@ -239,14 +269,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:  # the load while the logged run ran is not in the log: say what the caller knows
         machine = Machine(cores=os.cpu_count() or 1, load=args.load_note or "not recorded")
     results = measured(
-        NAME,
+        name_of(args.results),
         command,
         figures_of(run),
         machine,
         details=details,
     )
     write_results(results, args.results)
-    print(f"cold CI: {run.total_s} s ({run.total_s / 60:.0f} min) against {LIMIT_S} s; {run.phases}")
+    kind = "warm" if warm else "cold"
+    print(f"{kind} CI: {run.total_s} s ({run.total_s / 60:.0f} min) against {LIMIT_S} s; {run.phases}")
     return 0 if status in (0, None) else 1
 
 
