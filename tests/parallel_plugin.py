@@ -1,8 +1,8 @@
 """pytest plugin: which tests may run side by side under pytest-xdist, and in what order they start.
 
-Registered from ``tests/conftest.py``; active only with ``--dist loadgroup`` (and pytest below 9.2, see
-pyproject.toml; tests/tools/test_xdist_groups.py checks that the groups hold) (``make test`` runs
-``pytest -n 2 --dist loadgroup --no-loadscope-reorder``). The machine has 2 cores and much of the suite
+Registered from ``tests/conftest.py``; active only with ``--dist loadgroup`` (``make test`` runs
+``pytest -n 2 --dist loadgroup --no-loadscope-reorder``; pytest stays below 9.2, where xdist's groups
+hold, see pyproject.toml and tests/tools/test_xdist_groups.py). The machine has 2 cores and much of the suite
 waits: on a control plane, a vLLM-CPU start, a reconcile, a node's grace period. Two workers overlap those
 waits with other tests. What may not be split between workers is grouped (``xdist_group``), and a group
 runs whole on one worker, in collection order:
