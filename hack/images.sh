@@ -138,6 +138,14 @@ stage_context() {
   install -D -m 0644 images/kvfleet/Dockerfile "$dir/images/kvfleet/Dockerfile"
   install -D -m 0644 images/engine/Dockerfile "$dir/images/engine/Dockerfile"
   install -D -m 0644 images/engine/Dockerfile.gpu "$dir/images/engine/Dockerfile.gpu"
+  # Each image's dependency list, resolved here from pyproject.toml's extras: the deps stages COPY these
+  # lists, not pyproject.toml, so a change elsewhere in it (a dev tool, a test setting) keeps podman's
+  # cached deps layers (the engine's is 6.5 GB and takes minutes to build and to import into the node).
+  local py=python3 extra
+  [ ! -x .venv/bin/python ] || py=.venv/bin/python
+  for extra in operator engine; do
+    "$py" images/requirements.py project pyproject.toml "$extra" >"$dir/images/requirements-$extra.txt"
+  done
 }
 
 build_image() {  # kvfleet|engine

