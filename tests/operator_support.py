@@ -28,7 +28,8 @@ from kvfleet_runtime.config import KeyFile, TenantTable
 
 # tests/cluster/ is no package: pytest puts it on sys.path for its own tests; the same module for these.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
-from cluster_helpers import apply_crds, create_namespace, delete_namespace
+# apply_crds, create_namespace, delete_namespace: re-exported (tests/engine/test_onboarding.py).
+from cluster_helpers import apply_crds, create_namespace, delete_namespace, scratch_namespace  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -185,9 +186,7 @@ def tiny_namespace(
     emptyDir cache), for a test that needs the workloads Ready on whichever tier the session's plane is.
     On the full tier the StatefulSet controller creates the engine pod, and no storage provisioner here
     binds the example's claim, so the pod would stay Pending; kwok runs the Hugging Face one."""
-    apply_crds(plane)
-    namespace = create_namespace(plane, prefix)
-    try:
+    with scratch_namespace(plane, prefix, crds=True) as namespace:
         md = load_example("local/modeldeployment-tiny.yaml", namespace)
         if schedulable:
             schedulable_on_kwok(md)
@@ -195,5 +194,3 @@ def tiny_namespace(
         for name in tenants:
             create(plane, load_example(f"local/tenant-{name}.yaml", namespace))
         yield namespace
-    finally:
-        delete_namespace(plane, namespace)

@@ -1,4 +1,10 @@
-"""Small helpers shared by the cluster smoke tests (namespaces, waiting, CRD installation)."""
+"""Small helpers shared by the cluster smoke tests (namespaces, waiting, CRD installation).
+
+A test's namespace comes from :func:`scratch_namespace` (created on the session's real API server under a
+unique name, deleted afterwards); tests/operator_support.py's ``tiny_namespace`` and tests/cluster/
+operators.py's ``prepared_namespace`` fill one with the examples. Modules keep a thin ``namespace``
+fixture of their own where the scope, the name prefix or what goes in differs.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +64,27 @@ def delete_namespace(plane: ControlPlane, name: str, *, wait: bool = False) -> N
             timeout=120,
             what=f"namespace {name} deleted",
         )
+
+
+@contextmanager
+def scratch_namespace(
+    plane: ControlPlane,
+    prefix: str,
+    labels: dict[str, str] | None = None,
+    *,
+    crds: bool = False,
+    wait: bool = False,
+) -> Iterator[str]:
+    """A fresh namespace (:func:`create_namespace`) for the ``with`` block, deleted when it ends however it
+    ends (:func:`delete_namespace`; ``wait``: until it is gone). ``crds``: kvfleet's CRDs applied first
+    (:func:`apply_crds`). In a fixture: ``with scratch_namespace(plane, "x") as ns: yield ns``."""
+    if crds:
+        apply_crds(plane)
+    name = create_namespace(plane, prefix, labels)
+    try:
+        yield name
+    finally:
+        delete_namespace(plane, name, wait=wait)
 
 
 def crd_files() -> list[Path]:

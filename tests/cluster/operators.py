@@ -20,12 +20,13 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from audit import AuditLog, by_operator
-from cluster_helpers import apply_crds, create_namespace
+from cluster_helpers import apply_crds, create_namespace, scratch_namespace
 from devcluster import ControlPlane
 from test_operator_reconcile import (
     CONFIG,
@@ -253,16 +254,34 @@ EXAMPLE_TENANTS = ("saas", "startup-a", "startup-b")  # none names a key Secret:
 EXPECTED_CHILDREN = 11  # shared pool (4) + gateway (5, two Services) + config (2); test_operator_process
 
 
-def prepare_namespace(plane: ControlPlane, prefix: str, tenants: tuple[str, ...] = EXAMPLE_TENANTS) -> str:
-    """A fresh namespace (``restricted`` Pod Security) with the qwen72b example, local NVMe volumes for its
-    engines and the named example tenants; nothing reconciled yet."""
-    apply_crds(plane)
-    namespace = create_namespace(plane, prefix, labels={"pod-security.kubernetes.io/enforce": "restricted"})
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
+
+
+def _fill_namespace(plane: ControlPlane, namespace: str, tenants: tuple[str, ...]) -> None:
     provision_local_nvme(plane, namespace, per_node=4)
     create(plane, load_example("modeldeployment-qwen72b.yaml", namespace))
     for name in tenants:
         create(plane, load_example(f"tenant-{name}.yaml", namespace))
+
+
+def prepare_namespace(plane: ControlPlane, prefix: str, tenants: tuple[str, ...] = EXAMPLE_TENANTS) -> str:
+    """A fresh namespace (``restricted`` Pod Security) with the qwen72b example, local NVMe volumes for its
+    engines and the named example tenants; nothing reconciled yet. The caller deletes it
+    (:func:`prepared_namespace` is the same for a ``with`` block, deleted when it ends)."""
+    apply_crds(plane)
+    namespace = create_namespace(plane, prefix, labels=RESTRICTED)
+    _fill_namespace(plane, namespace, tenants)
     return namespace
+
+
+@contextmanager
+def prepared_namespace(
+    plane: ControlPlane, prefix: str, tenants: tuple[str, ...] = EXAMPLE_TENANTS
+) -> Iterator[str]:
+    """:func:`prepare_namespace` for a ``with`` block (or a fixture): deleted when the block ends."""
+    with scratch_namespace(plane, prefix, RESTRICTED, crds=True) as namespace:
+        _fill_namespace(plane, namespace, tenants)
+        yield namespace
 
 
 def tenants_ready(plane: ControlPlane, namespace: str, names: tuple[str, ...] = EXAMPLE_TENANTS) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cluster_helpers import create_namespace, delete_namespace, wait_for
+from cluster_helpers import scratch_namespace, wait_for
 from devcluster import GPU_GROUP_LABEL, GPU_POOL_LABEL, GPU_RESOURCE, ControlPlane
 
 PAUSE = "registry.k8s.io/pause:3.10"
@@ -20,9 +20,8 @@ PAUSE = "registry.k8s.io/pause:3.10"
 
 @pytest.fixture
 def namespace(full_cluster: ControlPlane) -> Iterator[str]:
-    name = create_namespace(full_cluster, "workloads")
-    yield name
-    delete_namespace(full_cluster, name, wait=True)
+    with scratch_namespace(full_cluster, "workloads", wait=True) as name:
+        yield name
 
 
 def _deployment(

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_helpers import delete_namespace, wait_for
+from cluster_helpers import wait_for
 from devcluster import ControlPlane
 from devcluster.processes import ManagedProcess, start_process
 from operators import (
@@ -31,7 +31,7 @@ from operators import (
     assert_audited_quiet,
     holder,
     leftover_mutations,
-    prepare_namespace,
+    prepared_namespace,
     tenants_ready,
 )
 from test_operator_reconcile import create, load_example
@@ -59,9 +59,8 @@ def _restart(plane: ControlPlane, name: str) -> None:
 
 @pytest.fixture
 def namespace(full_cluster: ControlPlane) -> Iterator[str]:
-    ns = prepare_namespace(full_cluster, "outage")
-    yield ns
-    delete_namespace(full_cluster, ns)
+    with prepared_namespace(full_cluster, "outage") as ns:
+        yield ns
 
 
 def test_the_operator_recovers_when_the_api_server_and_etcd_restart_mid_reconcile(

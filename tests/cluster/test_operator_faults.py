@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cluster_helpers import delete_namespace, wait_for
+from cluster_helpers import wait_for
 from devcluster import ControlPlane
 from operators import (
     EXAMPLE_TENANTS,
@@ -20,7 +20,7 @@ from operators import (
     OperatorReplica,
     assert_audited_quiet,
     leftover_mutations,
-    prepare_namespace,
+    prepared_namespace,
     tenants_ready,
 )
 from test_operator_reconcile import condition, get, owned_children, tenant
@@ -35,9 +35,8 @@ Replicas = Callable[[str], OperatorReplica]
 
 @pytest.fixture
 def namespace(full_cluster: ControlPlane) -> Iterator[str]:
-    ns = prepare_namespace(full_cluster, "fault")
-    yield ns
-    delete_namespace(full_cluster, ns)
+    with prepared_namespace(full_cluster, "fault") as ns:
+        yield ns
 
 
 @pytest.fixture

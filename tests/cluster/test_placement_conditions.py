@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cluster_helpers import apply_crds, create_namespace, delete_namespace, unique_name, wait_for
+from cluster_helpers import scratch_namespace, unique_name, wait_for
 from devcluster import GPU_POOL_LABEL, GPU_PRODUCT_LABEL, ControlPlane, FakeNode, Taint, build_node_manifest
 from test_operator_reconcile import condition, create, get, load_example, reconcile
 
@@ -30,14 +30,12 @@ def _model_deployment(namespace: str, name: str) -> dict[str, Any]:
 
 @pytest.fixture
 def namespace(full_cluster: ControlPlane) -> Iterator[str]:
-    apply_crds(full_cluster)
-    ns = create_namespace(full_cluster, "placement")
-    for plural in ("modeldeployments", "tenants"):
-        # An Established CRD can still answer 429 "storage is (re)initializing" for a moment.
-        path = f"/apis/kvfleet.io/v1alpha1/namespaces/{ns}/{plural}"
-        wait_for(lambda path=path: full_cluster.request("GET", path)[0] == 200, what=f"{plural} served")
-    yield ns
-    delete_namespace(full_cluster, ns)
+    with scratch_namespace(full_cluster, "placement", crds=True) as ns:
+        for plural in ("modeldeployments", "tenants"):
+            # An Established CRD can still answer 429 "storage is (re)initializing" for a moment.
+            path = f"/apis/kvfleet.io/v1alpha1/namespaces/{ns}/{plural}"
+            wait_for(lambda path=path: full_cluster.request("GET", path)[0] == 200, what=f"{plural} served")
+        yield ns
 
 
 def _md(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any]:

@@ -19,15 +19,13 @@ from devcluster import ControlPlane
 
 from kvfleet_operator.build.common import restricted_container_security, restricted_pod_security
 from operator_support import (
-    apply_crds,
     converge,
     create,
-    create_namespace,
-    delete_namespace,
     get,
     key_secret,
     load_example,
     reconcile,
+    scratch_namespace,
     strong_key,
 )
 
@@ -52,9 +50,7 @@ WORKLOADS = [
 @pytest.fixture(scope="module")
 def namespace(api_cluster: ControlPlane) -> Iterator[str]:
     """The GPU examples (shared pool, a dedicated bank with tolerations, NVMe claim templates), converged."""
-    apply_crds(api_cluster)
-    ns = create_namespace(api_cluster, "drift")
-    try:
+    with scratch_namespace(api_cluster, "drift", crds=True) as ns:
         bank_secret = key_secret(ns, "bank-api-key", strong_key(), tenant="bank")
         create(api_cluster, bank_secret)
         create(api_cluster, load_example("modeldeployment-qwen72b.yaml", ns))
@@ -67,8 +63,6 @@ def namespace(api_cluster: ControlPlane) -> Iterator[str]:
             create(api_cluster, doc)
         converge(api_cluster, ns, "qwen72b")
         yield ns
-    finally:
-        delete_namespace(api_cluster, ns)
 
 
 def _at(obj: Any, pointer: str) -> Any:
