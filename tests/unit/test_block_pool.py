@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 
 from components import missing_component
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,
-    KVQuota,
-    PoolEntry,
     SlaTier,
     TenantEntry,
     TenantTable,
@@ -99,30 +98,28 @@ def tenant(
     salt_id: str | None = None,
     pool: str = POOL,
 ) -> TenantEntry:
-    return TenantEntry(
-        name=name,
+    return tenant_entry(
+        name,
         tier=sla,
-        priority=10,
         isolation=isolation,
         salt_id=salt_id or ("pool-salt" if isolation is Isolation.SHARED else f"salt-{name}"),
         pool=pool,
         models=["tiny"],
-        quota=KVQuota(hbm_blocks=quota, hbm_burst_blocks=quota if burst is None else burst),
+        hbm=quota,
+        hbm_burst=burst,
         ttl=TierTTLs(hbm_seconds=ttl),
     )
 
 
 def table_of(*tenants: TenantEntry, burst_cap: float = 1.0) -> TenantTable:
-    pools = {
-        name: PoolEntry(name=name, block_size=BLOCK, hbm_blocks_per_replica=64, burst_cap=burst_cap)
-        for name in {POOL, "other"}
-    }
-    return TenantTable(
+    return tenant_table(
+        *tenants,
+        pools=[
+            pool_entry(name, block_size=BLOCK, hbm_blocks=64, burst_cap=burst_cap) for name in {POOL, "other"}
+        ],
         model_deployment="md",
         served_model_name="tiny",
         pool_salt_id="pool-salt",
-        pools=pools,
-        tenants={t.name: t for t in tenants},
     )
 
 

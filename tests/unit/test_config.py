@@ -3,12 +3,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,
     KVQuota,
-    PoolEntry,
-    SlaTier,
     TenantEntry,
     TenantTable,
     derive_cache_salt,
@@ -19,26 +18,11 @@ from kvfleet_runtime.config import (
 
 
 def _tenant(name: str, isolation: Isolation, salt_id: str) -> TenantEntry:
-    return TenantEntry(
-        name=name,
-        tier=SlaTier.STANDARD,
-        priority=10,
-        isolation=isolation,
-        salt_id=salt_id,
-        pool="shared",
-        models=["m"],
-        quota=KVQuota(hbm_blocks=10, hbm_burst_blocks=50),
-    )
+    return tenant_entry(name, isolation=isolation, salt_id=salt_id, hbm=10, hbm_burst=50)
 
 
 def _table(*tenants: TenantEntry) -> TenantTable:
-    return TenantTable(
-        model_deployment="ns/md",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={"shared": PoolEntry(name="shared", block_size=32, hbm_blocks_per_replica=100)},
-        tenants={t.name: t for t in tenants},
-    )
+    return tenant_table(*tenants, pools=[pool_entry(block_size=32, hbm_blocks=100)], model_deployment="ns/md")
 
 
 def test_round_trip_is_byte_stable() -> None:

@@ -9,13 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
-    Isolation,
     KeyFile,
-    KVQuota,
-    PoolEntry,
-    SlaTier,
-    TenantEntry,
     TenantTable,
     dump_json,
 )
@@ -31,24 +27,8 @@ SALT_KEY = "ab" * 32
 
 
 def table(*names: str) -> TenantTable:
-    return TenantTable(
-        model_deployment="ns/m",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={"shared": PoolEntry(name="shared", block_size=16, hbm_blocks_per_replica=100)},
-        tenants={
-            n: TenantEntry(
-                name=n,
-                tier=SlaTier.STANDARD,
-                priority=10,
-                isolation=Isolation.SALTED,
-                salt_id=f"salt-{n}",
-                pool="shared",
-                models=["m"],
-                quota=KVQuota(hbm_blocks=1, hbm_burst_blocks=2),
-            )
-            for n in names
-        },
+    return tenant_table(
+        *(tenant_entry(n, hbm=1, hbm_burst=2) for n in names), pools=[pool_entry(hbm_blocks=100)]
     )
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,
-    KVQuota,
-    PoolEntry,
     SlaTier,
     TenantEntry,
     TenantTable,
@@ -26,34 +25,23 @@ MIB = 1 << 20
 def entry(
     name: str, cpu: int, ttl: float = 600.0, *, shared: bool = False, sla: SlaTier = SlaTier.STANDARD
 ) -> TenantEntry:
-    return TenantEntry(
-        name=name,
+    return tenant_entry(
+        name,
         tier=sla,
-        priority=10,
         isolation=Isolation.SHARED if shared else Isolation.SALTED,
-        salt_id="pool" if shared else f"salt-{name}",
-        pool="shared",
         models=["tiny"],
-        quota=KVQuota(hbm_blocks=1, hbm_burst_blocks=1, cpu_bytes=cpu),
+        hbm=1,
+        cpu=cpu,
         ttl=TierTTLs(cpu_seconds=ttl),
     )
 
 
 def table(*tenants: TenantEntry, burst_cap: float = 0.5) -> tuple[TenantTable, KeyFile]:
-    tbl = TenantTable(
+    tbl = tenant_table(
+        *tenants,
+        pools=[pool_entry(block_size=32, hbm_blocks=64, cpu_bytes_per_replica=64 * MIB, burst_cap=burst_cap)],
         model_deployment="ns/tiny",
         served_model_name="tiny",
-        pool_salt_id="pool",
-        pools={
-            "shared": PoolEntry(
-                name="shared",
-                block_size=32,
-                hbm_blocks_per_replica=64,
-                cpu_bytes_per_replica=64 * MIB,
-                burst_cap=burst_cap,
-            )
-        },
-        tenants={t.name: t for t in tenants},
     )
     return tbl, KeyFile(salt_key_hex=SALT_KEY, key_hashes={t.name: [] for t in tenants})
 

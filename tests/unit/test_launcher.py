@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from engine_fixtures import TINY_MODEL_DEPLOYMENT, load_manifest, render_engine
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.cli import build_parser
 from kvfleet_runtime.config import (
     DEFAULT_LMCACHE_CHUNK_TOKENS,
@@ -23,12 +24,8 @@ from kvfleet_runtime.config import (
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
     EngineSettings,
-    Isolation,
-    KVQuota,
     LMCacheSettings,
-    PoolEntry,
     SlaTier,
-    TenantEntry,
     TenantTable,
 )
 from kvfleet_runtime.engine.cli import resolve_launch
@@ -256,20 +253,9 @@ def test_max_model_len_fits_the_block_override() -> None:
 
 
 def _table(engine: EngineSettings | None, *, blocks: int = 500) -> TenantTable:
-    t = TenantEntry(
-        name="a",
-        tier=SlaTier.BASIC,
-        priority=20,
-        isolation=Isolation.SALTED,
-        salt_id="a",
-        pool="p",
-        models=["m"],
-        quota=KVQuota(hbm_blocks=1, hbm_burst_blocks=2),
-    )
-    pool = PoolEntry(name="p", block_size=64, hbm_blocks_per_replica=blocks, engine=engine)
-    return TenantTable(
-        model_deployment="ns/m", served_model_name="m", pool_salt_id="x", pools={"p": pool}, tenants={"a": t}
-    )
+    t = tenant_entry("a", tier=SlaTier.BASIC, priority=20, salt_id="a", pool="p", hbm=1, hbm_burst=2)
+    pool = pool_entry("p", block_size=64, hbm_blocks=blocks, engine=engine)
+    return tenant_table(t, pools=[pool], pool_salt_id="x")
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,
-    KVQuota,
-    PoolEntry,
-    SlaTier,
     TenantEntry,
     TenantTable,
     TierTTLs,
@@ -31,31 +29,24 @@ KEYS = KeyFile(salt_key_hex="cd" * 32, key_hashes={})
 
 
 def _tenant(name: str, iso: Isolation, nvme: int, ttl: float = 100.0, pool: str = "p") -> TenantEntry:
-    return TenantEntry(
-        name=name,
-        tier=SlaTier.STANDARD,
-        priority=10,
+    return tenant_entry(
+        name,
         isolation=iso,
         salt_id="pool" if iso is Isolation.SHARED else name,
         pool=pool,
-        models=["m"],
-        quota=KVQuota(hbm_blocks=1, hbm_burst_blocks=1, cpu_bytes=nvme // 2, nvme_bytes=nvme),
+        hbm=1,
+        cpu=nvme // 2,
+        nvme=nvme,
         ttl=TierTTLs(nvme_seconds=ttl),
     )
 
 
 def _table(*tenants: TenantEntry) -> TenantTable:
-    pools = {
-        "p": PoolEntry(name="p", block_size=32, hbm_blocks_per_replica=10),
-        "d": PoolEntry(name="d", block_size=32, hbm_blocks_per_replica=10, dedicated_to="z"),
-    }
-    return TenantTable(
-        model_deployment="ns/m",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools=pools,
-        tenants={t.name: t for t in tenants},
-    )
+    pools = [
+        pool_entry("p", block_size=32, hbm_blocks=10),
+        pool_entry("d", block_size=32, hbm_blocks=10, dedicated_to="z"),
+    ]
+    return tenant_table(*tenants, pools=pools)
 
 
 def salt(salt_id: str) -> str:

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 
 import pytest
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
     SLA_ORDER,
     SLA_RANK,
     TIER_PRIORITY,
     Isolation,
     KeyFile,
-    KVQuota,
     KVTier,
-    PoolEntry,
     SlaTier,
     TenantEntry,
     TenantTable,
@@ -53,31 +52,27 @@ def tenant(
     shared: bool = False,
     pool: str = "shared",
 ) -> TenantEntry:
-    return TenantEntry(
-        name=name,
+    return tenant_entry(
+        name,
         tier=sla,
         priority=TIER_PRIORITY[sla],
         isolation=Isolation.SHARED if shared else Isolation.SALTED,
-        salt_id="pool" if shared else f"salt-{name}",
         pool=pool,
-        models=["m"],
-        quota=KVQuota(hbm_blocks=hbm, hbm_burst_blocks=hbm_burst, cpu_bytes=cpu, nvme_bytes=nvme),
+        hbm=hbm,
+        hbm_burst=hbm_burst,
+        cpu=cpu,
+        nvme=nvme,
         ttl=ttl or TierTTLs(),
     )
 
 
 def table(*tenants: TenantEntry, burst_cap: float = 0.5) -> TenantTable:
-    return TenantTable(
-        model_deployment="ns/m",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={
-            "shared": PoolEntry(
-                name="shared", block_size=16, hbm_blocks_per_replica=100, burst_cap=burst_cap
-            ),
-            "gold": PoolEntry(name="gold", block_size=16, hbm_blocks_per_replica=100, dedicated_to="g"),
-        },
-        tenants={t.name: t for t in tenants},
+    return tenant_table(
+        *tenants,
+        pools=[
+            pool_entry(hbm_blocks=100, burst_cap=burst_cap),
+            pool_entry("gold", hbm_blocks=100, dedicated_to="g"),
+        ],
     )
 
 

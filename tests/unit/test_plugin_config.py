@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
     Isolation,
     KeyFile,
-    KVQuota,
-    PoolEntry,
-    SlaTier,
     TenantEntry,
     TenantTable,
     derive_cache_salt,
@@ -32,26 +30,13 @@ POOL = "shared"
 
 
 def entry(name: str, *, shared: bool = False, pool: str = POOL) -> TenantEntry:
-    return TenantEntry(
-        name=name,
-        tier=SlaTier.STANDARD,
-        priority=10,
-        isolation=Isolation.SHARED if shared else Isolation.SALTED,
-        salt_id="pool" if shared else f"salt-{name}",
-        pool=pool,
-        models=["m"],
-        quota=KVQuota(hbm_blocks=2, hbm_burst_blocks=4),
+    return tenant_entry(
+        name, isolation=Isolation.SHARED if shared else Isolation.SALTED, pool=pool, hbm=2, hbm_burst=4
     )
 
 
 def table(*entries: TenantEntry, pools: tuple[str, ...] = (POOL, "gold")) -> TenantTable:
-    return TenantTable(
-        model_deployment="ns/m",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={p: PoolEntry(name=p, block_size=16, hbm_blocks_per_replica=64) for p in pools},
-        tenants={e.name: e for e in entries},
-    )
+    return tenant_table(*entries, pools=[pool_entry(p, hbm_blocks=64) for p in pools])
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,10 @@ import time
 
 import pytest
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.config import (
-    Isolation,
     KVQuota,
     KVTier,
-    PoolEntry,
     SlaTier,
     TenantEntry,
     TenantTable,
@@ -254,29 +253,20 @@ def test_invalid_limits_are_rejected() -> None:
 
 def _table() -> TenantTable:
     def tenant(name: str, tier: SlaTier, quota: KVQuota) -> TenantEntry:
-        return TenantEntry(
-            name=name,
+        return tenant_entry(
+            name,
             tier=tier,
             priority=0,
-            isolation=Isolation.SALTED,
             salt_id=name,
-            pool="shared",
-            models=["m"],
             quota=quota,
             ttl=TierTTLs(hbm_seconds=20.0, cpu_seconds=300.0, nvme_seconds=3600.0),
         )
 
-    return TenantTable(
+    return tenant_table(
+        tenant("acme", SlaTier.PREMIUM, KVQuota(hbm_blocks=300, hbm_burst_blocks=900, cpu_bytes=4096)),
+        tenant("tiny", SlaTier.BASIC, KVQuota(hbm_blocks=10, hbm_burst_blocks=20)),
+        pools=[pool_entry(hbm_blocks=1000, burst_cap=0.4)],
         model_deployment="md",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={"shared": PoolEntry(name="shared", block_size=16, hbm_blocks_per_replica=1000, burst_cap=0.4)},
-        tenants={
-            "acme": tenant(
-                "acme", SlaTier.PREMIUM, KVQuota(hbm_blocks=300, hbm_burst_blocks=900, cpu_bytes=4096)
-            ),
-            "tiny": tenant("tiny", SlaTier.BASIC, KVQuota(hbm_blocks=10, hbm_burst_blocks=20)),
-        },
     )
 
 

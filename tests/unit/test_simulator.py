@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_runtime.cli import build_parser
 from kvfleet_runtime.config import (
     Isolation,
     KVQuota,
     KVTier,
-    PoolEntry,
     SlaTier,
     TenantEntry,
-    TenantTable,
     TierTTLs,
 )
 from kvfleet_runtime.kv.simulate_cli import build_table_tenants, run_simulate
@@ -230,44 +229,36 @@ def test_cli_rejects_bad_input_with_exit_code_2(argv: list[str], message: str) -
 
 def test_cli_takes_capacities_and_tenants_from_a_rendered_tenant_table(tmp_path: Path) -> None:
     def tenant(name: str, tier: SlaTier, quota: KVQuota, isolation: Isolation, salt_id: str) -> TenantEntry:
-        return TenantEntry(
-            name=name,
+        return tenant_entry(
+            name,
             tier=tier,
             priority=0,
             isolation=isolation,
             salt_id=salt_id,
-            pool="shared",
-            models=["m"],
             quota=quota,
             ttl=TierTTLs(hbm_seconds=15.0),
         )
 
-    table = TenantTable(
-        model_deployment="md",
-        served_model_name="m",
-        pool_salt_id="pool",
-        pools={
-            "shared": PoolEntry(
-                name="shared",
+    table = tenant_table(
+        tenant(
+            "bank",
+            SlaTier.PREMIUM,
+            KVQuota(hbm_blocks=1024, hbm_burst_blocks=2048, cpu_bytes=2**28),
+            Isolation.SALTED,
+            "bank",
+        ),
+        tenant(
+            "shop", SlaTier.BASIC, KVQuota(hbm_blocks=512, hbm_burst_blocks=512), Isolation.SHARED, "pool"
+        ),
+        pools=[
+            pool_entry(
                 endpoints=["http://a:8000", "http://b:8000"],
-                block_size=16,
-                hbm_blocks_per_replica=4096,
+                hbm_blocks=4096,
                 cpu_bytes_per_replica=2**30,
                 burst_cap=0.4,
             )
-        },
-        tenants={
-            "bank": tenant(
-                "bank",
-                SlaTier.PREMIUM,
-                KVQuota(hbm_blocks=1024, hbm_burst_blocks=2048, cpu_bytes=2**28),
-                Isolation.SALTED,
-                "bank",
-            ),
-            "shop": tenant(
-                "shop", SlaTier.BASIC, KVQuota(hbm_blocks=512, hbm_burst_blocks=512), Isolation.SHARED, "pool"
-            ),
-        },
+        ],
+        model_deployment="md",
     )
     path = tmp_path / "tenants.json"
     path.write_text(table.model_dump_json())
