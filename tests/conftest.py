@@ -24,9 +24,10 @@ TESTS = Path(__file__).resolve().parent
 pytest_plugins = [
     "cluster_fixtures",
     "engine_fixtures",
+    # In import order: each of these imports the one before it.
+    "provisioning_plugin",
     "parallel_plugin",
     "durations_plugin",
-    "provisioning_plugin",
 ]
 
 #: The tiers, each a folder under tests/ named after its marker, cheapest first: ``unit`` starts nothing,

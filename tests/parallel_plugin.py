@@ -11,8 +11,10 @@ runs whole on one worker, in collection order:
   once, on one worker;
 * every test that uses one of the session's shared engines (``vllm_server``, ``launched_engine``) is in
   that engine's group, so one worker starts it once;
-* the tests that run the real node (``tests/e2e/test_real_node.py``, ``tests/e2e/test_demo.py``) are in
-  one group: there is one real node per machine (kubelet, containerd, the CNI bridge, iptables);
+* the tests that run the real node (``tests/e2e/test_real_node.py``, ``tests/e2e/test_demo.py``) and read
+  the images (``tests/e2e/test_images.py``) are in one group: there is one real node per machine
+  (kubelet, containerd, the CNI bridge, iptables), and when pytest starts beside provisioning these are
+  the tests that wait for its late steps (tests/provisioning_plugin.py): one worker waits, not two;
 * the light tiers' tests (tests/unit, tests/tools, tests/loopback) are not grouped: they fill the gaps one
   by one, at the end.
 
@@ -31,11 +33,15 @@ from pathlib import Path
 
 import pytest
 
+from provisioning_plugin import NEEDS_EVERY_STEP
+
 REPO = Path(__file__).resolve().parents[1]
 #: The last recorded run's durations (tests/durations_plugin.py writes it; make test updates it).
 LAST_DURATIONS = REPO / "benchmarks" / "results" / "test_durations.json"
-#: Tests that start the machine's one real node.
-REAL_NODE_MODULES = ("tests/e2e/test_real_node.py", "tests/e2e/test_demo.py")
+#: Tests that start the machine's one real node, or read the images: the tests that wait for the late
+#: provisioning steps (30-node, 40-images) when pytest starts beside them. One group, so that at most one
+#: worker waits while the other runs everything else.
+REAL_NODE_MODULES = NEEDS_EVERY_STEP
 REAL_NODE_GROUP = "real-node"
 #: Session fixtures that start an engine several modules share: fixture -> its group.
 SHARED_ENGINE_GROUPS = {"vllm_server": "shared-vllm-server", "launched_engine": "launched-engine"}

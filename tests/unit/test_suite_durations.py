@@ -87,6 +87,8 @@ def test_heavy_setups_stay_on_one_worker_and_unit_tests_run_anywhere() -> None:
     assert group_of("tests/unit/test_x.py::test_y", ["tmp_path"]) is None
     assert group_of("tests/e2e/test_real_node.py::test_y", []) == REAL_NODE_GROUP
     assert group_of("tests/e2e/test_demo.py::test_y", []) == REAL_NODE_GROUP
+    # Every test that waits for the late provisioning steps is in that one group: one worker waits.
+    assert group_of("tests/e2e/test_images.py::test_y", []) == REAL_NODE_GROUP
     assert group_of("tests/engine/test_a.py::test_y", ["vllm_server"]) == SHARED_ENGINE_GROUPS["vllm_server"]
     assert group_of("tests/engine/test_b.py::test_y", ["launched_engine"]) == "launched-engine"
     assert group_of("tests/engine/test_a.py::test_y", ["vllm_factory"]) == "tests/engine/test_a.py"
