@@ -775,9 +775,15 @@ def render_test_durations(f: Files) -> str:
             raise TypeError(f"test_durations: fixture {name!r} has no setups record")
         setups, seconds, longest = (_number(entry.get(k), f"fixture {name!r}: {k}") for k in FIXTURE_KEYS)
         fixture_rows.append([f"`{name}`", num(int(setups)), f"{seconds:.1f}", f"{longest:.1f}"])
+    failed = detail(r, "failed")
+    outcome = (
+        f" {len(failed)} failed: {', '.join(f'`{n}`' for n in failed)}."
+        if isinstance(failed, list) and failed
+        else " All passed."
+    )
     head = (
         f"`{r.command}`: {num(int(median(r.figure('tests'))))} tests in {duration(wall)} of wall time "
-        f"({r.machine.note}); their setups, calls and teardowns add up to {duration(total)}.\n\n"
+        f"({r.machine.note}); their setups, calls and teardowns add up to {duration(total)}.{outcome}\n\n"
     )
     return (
         head

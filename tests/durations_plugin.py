@@ -135,7 +135,7 @@ class Durations:
             "machine": {
                 "cores": os.cpu_count() or 1,
                 "load": f"1-min load average {os.getloadavg()[0]:.1f} at the end",
-                "note": f"{workers} pytest worker(s)" if workers else "one pytest process",
+                "note": f"{workers} pytest-xdist workers" if workers else "one pytest process",
             },
             "source": "measured: written by the command when it ran",
             "figures": figures,

@@ -12,8 +12,6 @@ import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvfleet_dashboards.alerts import ALERTS
-from kvfleet_dashboards.dashboards import ALL_DASHBOARDS, dashboard_queries, variable_queries
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -185,6 +183,15 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def all_promql() -> list[tuple[str, str]]:
     """(where, PromQL) for every panel query, variable query and alert expression kvfleet ships."""
+    # Imported here: the dashboards are on pytest's path (pyproject pythonpath), not on that of the helper
+    # processes that import this module (gateway_support's flood from another process).
+    from kvfleet_dashboards.alerts import ALERTS  # noqa: PLC0415
+    from kvfleet_dashboards.dashboards import (  # noqa: PLC0415
+        ALL_DASHBOARDS,
+        dashboard_queries,
+        variable_queries,
+    )
+
     out = []
     for spec in ALL_DASHBOARDS:
         out += [(f"{spec.uid}: {title}", expr) for title, expr in dashboard_queries(spec)]

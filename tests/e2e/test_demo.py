@@ -79,10 +79,56 @@ def _our_processes() -> dict[str, str]:
     return found
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents
+
+
+def _other_pytest_processes() -> set[int]:
+    """pids of the pytest processes other than this one (the other xdist worker, the controller)."""
+    others = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "pytest" in cmdline:
+            others.add(int(proc.name))
+    return others
+
+
+def _started_by_another_test(pid: int, parents: dict[int, int], others: set[int]) -> bool:
+    """True when ``pid`` descends from another pytest process: a server of a test running beside this one
+    on the other xdist worker, not something the demo left behind."""
+    seen = set()
+    while pid in parents and pid not in seen and pid > 1:
+        if pid == os.getpid():  # the demo's own (this test started it)
+            return False
+        if pid in others:
+            return True
+        seen.add(pid)
+        pid = parents[pid]
+    return False
+
+
 def _leftovers(before: dict[str, str]) -> list[str]:
-    """Such processes that were not there before the demo started (other tests' servers are)."""
+    """Such processes that were not there before the demo started (other tests' servers are), and that no
+    other test started meanwhile (tests run side by side on two workers)."""
     time.sleep(2)  # let the last process groups finish exiting
-    return [f"{pid}: {cmd}" for pid, cmd in _our_processes().items() if pid not in before]
+    parents, others = _parents(), _other_pytest_processes()
+    return [
+        f"{pid}: {cmd}"
+        for pid, cmd in _our_processes().items()
+        if pid not in before and not _started_by_another_test(int(pid), parents, others)
+    ]
 
 
 def test_demo_runs_the_whole_system_and_reports(tmp_path: Path) -> None:
