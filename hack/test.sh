@@ -78,8 +78,10 @@ workers=${KVFLEET_TEST_WORKERS:-2}
 parallel=()
 [ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 status=0
+# One token (`--opt=value`): pytest takes a separate value that names an existing file for a test path,
+# and would then not load tests/conftest.py, where the option is defined, before parsing it.
 KVFLEET_DURATIONS_COMMAND="make test (pytest ${parallel[*]})" .venv/bin/pytest "${parallel[@]}" \
-  --durations-results benchmarks/results/test_durations.json "$@" || status=$?
+  --durations-results=benchmarks/results/test_durations.json "$@" || status=$?
 provisioned=0
 [ -z "$driver" ] || finish_provisioning || provisioned=$?
 mapfile -t failed_steps <"$failures"
