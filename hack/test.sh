@@ -18,13 +18,13 @@ hack/bootstrap.sh
 # ruff format --check, mypy --strict, the import contracts) run as a third lane beside them, from the end
 # of 20-engine on (mypy reads the vLLM and torch it installs).
 #
-# pytest starts as soon as what most tests need has ended (10-cluster, 20-engine) and the checks passed;
+# pytest starts as soon as what most tests need has ended (10-cluster, 20-engine), beside the checks;
 # the steps only a few tests need (30-node, 40-images: the real node and the images, 17 minutes on a cold
 # machine) go on beside the tests, and those tests wait for them (tests/provisioning_plugin.py reads the
-# outcome each step leaves in $KVFLEET_PROVISION_STATE). A failed check, or a failed step that pytest
-# starts after, fails the run once every lane has ended, before pytest, with its log's last lines; a failed
-# late step fails the tests that need it and the run. KVFLEET_ALLOW_MISSING=1 goes on past a failed step
-# (its tests skip), never past a failed check.
+# outcome each step leaves in $KVFLEET_PROVISION_STATE). A failed step that pytest starts after fails the
+# run once every lane has ended, before pytest, with its log's last lines; a failed late step fails the
+# tests that need it and the run; a failed check fails the run after pytest, with its log's last lines.
+# KVFLEET_ALLOW_MISSING=1 goes on past a failed step (its tests skip), never past a failed check.
 failures=$(mktemp)
 KVFLEET_PROVISION_STATE=$(mktemp -d)
 export KVFLEET_PROVISION_STATE
@@ -37,16 +37,16 @@ trap cleanup EXIT
 hack/provision.sh --for "make test" --also hack/lint.sh --failures "$failures" &
 driver=$!
 ended() { [ -e "$KVFLEET_PROVISION_STATE/$1.done" ] || [ -e "$KVFLEET_PROVISION_STATE/$1.failed" ]; }
-first_steps=(10-cluster 20-engine lint)
+first_steps=(10-cluster 20-engine)
 while kill -0 "$driver" 2>/dev/null; do
   waiting=0
   for step in "${first_steps[@]}"; do ended "$step" || waiting=1; done
   [ "$waiting" = 1 ] || break
   sleep 0.2
 done
-# A failed check always stops the run before pytest; a failed first step too, unless the caller opted out.
+# A failed first step stops the run before pytest, unless the caller opted out. (The checks run beside
+# pytest; a failed check fails the run at the end, opted out or not.)
 early_failure=0
-[ ! -e "$KVFLEET_PROVISION_STATE/lint.failed" ] || early_failure=1
 if [ "${KVFLEET_ALLOW_MISSING:-}" != 1 ]; then
   for step in 10-cluster 20-engine; do [ ! -e "$KVFLEET_PROVISION_STATE/$step.failed" ] || early_failure=1; done
 fi

@@ -229,7 +229,9 @@ async def test_engine_hang_is_a_504_and_others_are_served(
     timeout passes, a stream it was serving ends with an ``upstream_timeout`` error event; meanwhile a
     tenant on another replica is served; after SIGCONT the replica comes back."""
     hung, other = engines(2)
-    timeout_s = 6.0
+    # Long enough that the bystander's requests to the other engine stay well inside it on a machine
+    # busy with other tests; the hung request must take exactly this long.
+    timeout_s = 12.0
     cfg = write_gateway_config(
         tmp_path,
         {"hung": [hung.base_url], "other": [other.base_url]},
