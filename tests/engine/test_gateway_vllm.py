@@ -211,18 +211,20 @@ async def test_premium_overtakes_queued_basic_requests(tmp_path: Path, one_seq_s
     async with gateway_for(tmp_path, server.base_url, server.model, tenants) as gw:
         done: dict[str, float] = {}
 
-        async def send(tenant: str, tag: str) -> None:
+        async def send(tenant: str, tag: str, max_tokens: int) -> None:
             status, body, _ = await gw.complete(
-                tenant, f"{tag} {uuid.uuid4()}", max_tokens=96, ignore_eos=True
+                tenant, f"{tag} {uuid.uuid4()}", max_tokens=max_tokens, ignore_eos=True
             )
             assert status == 200, body
             done[tag] = time.monotonic()
 
-        basics = [asyncio.create_task(send("basic", f"basic-{i}")) for i in range(4)]
+        # Long basic requests (each holds the engine's one sequence for a while), so that the premium
+        # request reaches the engine while basics still wait, even on a machine busy with other tests.
+        basics = [asyncio.create_task(send("basic", f"basic-{i}", 384)) for i in range(4)]
         async with asyncio.timeout(60):  # the basics reach the engine: one runs, three wait in its queue
             while await asyncio.to_thread(server.metric_value, "vllm:num_requests_waiting") < 3:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
-        await send("premium", "premium")
+        await send("premium", "premium", 96)
         await asyncio.gather(*basics)
         order = sorted(done, key=done.__getitem__)
         # FCFS would finish the premium request last; priority scheduling puts it right after the one
