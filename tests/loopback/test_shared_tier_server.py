@@ -11,44 +11,20 @@ from typing import Any
 
 import pytest
 
-from factories import pool_entry, tenant_entry, tenant_table
-from kvfleet_runtime.config import (
-    KeyFile,
-    TenantEntry,
-    TenantTable,
-    TierTTLs,
-    derive_cache_salt,
-)
 from kvfleet_runtime.config_watch import RuntimeConfigWatcher
 from kvfleet_runtime.engine.l1_governance import compute_l1_limits
 from kvfleet_runtime.engine.launcher import wait_for_tcp
 from kvfleet_runtime.engine.shared_tier import SharedTierStore, serve
-
-KEYS = KeyFile(salt_key_hex="ab" * 32, key_hashes={})
-
+from shared_tier_builders import (
+    CAPACITY,
+    KEYS,
+    salt_of,
+    shared_tier_table,
+    shared_tier_tenant,
+    store_key,
+)
 
 # --- the server ------------------------------------------------------------------------------------------
-
-SALT_KEY = KEYS.salt_key
-
-
-def _tenant(name: str, cpu_bytes: int) -> TenantEntry:
-    return tenant_entry(name, hbm=1, hbm_burst=1, cpu=cpu_bytes, ttl=TierTTLs(cpu_seconds=600.0))
-
-
-def _table_of(*tenants: TenantEntry, burst_cap: float = 0.001) -> TenantTable:
-    return tenant_table(*tenants, pools=[pool_entry(block_size=32, hbm_blocks=8, burst_cap=burst_cap)])
-
-
-def _salt(name: str) -> str:
-    return derive_cache_salt(SALT_KEY, f"salt-{name}")
-
-
-def _key(salt: str, n: int) -> bytes:
-    return f"m@00000000@0@{n:064x}@{salt}".encode()
-
-
-CAPACITY = 100_000
 
 
 def _resp(*parts: bytes) -> bytes:
@@ -57,7 +33,7 @@ def _resp(*parts: bytes) -> bytes:
 
 def test_the_resp_subset_lmcaches_connector_speaks_on_a_real_socket(tmp_path: Path) -> None:
     """The exact bytes LMCache's C++ Redis connector sends and expects (csrc/storage_backends/redis)."""
-    table = _table_of(_tenant("a", 10_000))
+    table = shared_tier_table(shared_tier_tenant("a", 10_000))
     (tmp_path / "t.json").write_text(table.model_dump_json())
     (tmp_path / "k.json").write_text(KEYS.model_dump_json())
     watcher = RuntimeConfigWatcher(tmp_path / "t.json", tmp_path / "k.json")
@@ -66,7 +42,7 @@ def test_the_resp_subset_lmcaches_connector_speaks_on_a_real_socket(tmp_path: Pa
         return compute_l1_limits(config.table, config.keys, "shared", CAPACITY)
 
     store = SharedTierStore(CAPACITY, limits_of(watcher.load()))
-    key, other = _key(_salt("a"), 7), _key(_salt("a"), 8)
+    key, other = store_key(salt_of("a"), 7), store_key(salt_of("a"), 8)
 
     async def scenario() -> list[bytes]:
         bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()

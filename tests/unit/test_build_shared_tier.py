@@ -15,27 +15,30 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from factories import pool_entry, tenant_entry, tenant_table
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.build.common import SHARED_TIER_METRICS_PORT, SHARED_TIER_PORT
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
 from kvfleet_operator.build.shared_tier import SHARED_TIER_OVERHEAD
 from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
 from kvfleet_runtime.config import (
-    KeyFile,
     LMCacheSettings,
     TenantEntry,
     TenantTable,
-    TierTTLs,
-    derive_cache_salt,
 )
 from kvfleet_runtime.engine.l1_governance import compute_l1_limits
 from kvfleet_runtime.engine.launcher import ReplicaSite, build_lmcache_args, resolve_replica
 from kvfleet_runtime.engine.shared_tier import SharedTierStore, salt_of_key
+from shared_tier_builders import (
+    CAPACITY,
+    KEYS,
+    salt_of,
+    shared_tier_table,
+    shared_tier_tenant,
+    store_key,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 IMAGES = OperatorImages(engine="engine:1", gateway="gateway:1")
-KEYS = KeyFile(salt_key_hex="ab" * 32, key_hashes={})
 GI = 1 << 30
 
 
@@ -162,30 +165,9 @@ def test_the_replicas_lmcache_stores_to_the_tier_after_its_own_nvme() -> None:
 
 # --- the server ------------------------------------------------------------------------------------------
 
-SALT_KEY = KEYS.salt_key
-
-
-def _tenant(name: str, cpu_bytes: int) -> TenantEntry:
-    return tenant_entry(name, hbm=1, hbm_burst=1, cpu=cpu_bytes, ttl=TierTTLs(cpu_seconds=600.0))
-
-
-def _table_of(*tenants: TenantEntry, burst_cap: float = 0.001) -> TenantTable:
-    return tenant_table(*tenants, pools=[pool_entry(block_size=32, hbm_blocks=8, burst_cap=burst_cap)])
-
-
-def _salt(name: str) -> str:
-    return derive_cache_salt(SALT_KEY, f"salt-{name}")
-
-
-def _key(salt: str, n: int) -> bytes:
-    return f"m@00000000@0@{n:064x}@{salt}".encode()
-
-
-CAPACITY = 100_000
-
 
 def _store(*tenants: TenantEntry) -> SharedTierStore:
-    return SharedTierStore(CAPACITY, compute_l1_limits(_table_of(*tenants), KEYS, "shared", CAPACITY))
+    return SharedTierStore(CAPACITY, compute_l1_limits(shared_tier_table(*tenants), KEYS, "shared", CAPACITY))
 
 
 def test_the_salt_is_the_last_of_five_fields_and_unsalted_keys_have_none() -> None:
@@ -194,51 +176,51 @@ def test_the_salt_is_the_last_of_five_fields_and_unsalted_keys_have_none() -> No
 
 
 def test_a_chunk_is_read_back_under_its_own_salt_only() -> None:
-    store = _store(_tenant("a", 10_000), _tenant("b", 10_000))
-    assert store.set(_key(_salt("a"), 1), b"x" * 100)
-    assert store.get(_key(_salt("a"), 1)) == b"x" * 100
-    assert store.exists(_key(_salt("a"), 1))
+    store = _store(shared_tier_tenant("a", 10_000), shared_tier_tenant("b", 10_000))
+    assert store.set(store_key(salt_of("a"), 1), b"x" * 100)
+    assert store.get(store_key(salt_of("a"), 1)) == b"x" * 100
+    assert store.exists(store_key(salt_of("a"), 1))
     # Same chunk hash, other salt: another key, nothing there.
-    assert store.get(_key(_salt("b"), 1)) is None
-    assert not store.exists(_key(_salt("b"), 1))
+    assert store.get(store_key(salt_of("b"), 1)) is None
+    assert not store.exists(store_key(salt_of("b"), 1))
 
 
 def test_a_salt_the_table_does_not_know_stores_nothing() -> None:
-    store = _store(_tenant("a", 10_000))
-    assert not store.set(_key("stranger", 1), b"x" * 100)
+    store = _store(shared_tier_tenant("a", 10_000))
+    assert not store.set(store_key("stranger", 1), b"x" * 100)
     assert not store.set(b"m@00000000@0@ab", b"x" * 100)  # unsalted
     assert store.stored_bytes == 0
-    assert not store.exists(_key("stranger", 1))
+    assert not store.exists(store_key("stranger", 1))
 
 
 def test_a_salt_over_its_quota_loses_its_own_oldest_chunks_at_once() -> None:
-    store = _store(_tenant("q", 300), _tenant("k", 10_000))
-    store.set(_key(_salt("k"), 0), b"k" * 100)
+    store = _store(shared_tier_tenant("q", 300), shared_tier_tenant("k", 10_000))
+    store.set(store_key(salt_of("k"), 0), b"k" * 100)
     for n in range(10):
-        store.set(_key(_salt("q"), n), b"q" * 100)
-        assert store.governor.usage()[_salt("q")].resident_bytes <= 300
-    assert store.exists(_key(_salt("q"), 9)) and not store.exists(_key(_salt("q"), 0))
-    assert store.exists(_key(_salt("k"), 0)), "another salt never pays for it"
+        store.set(store_key(salt_of("q"), n), b"q" * 100)
+        assert store.governor.usage()[salt_of("q")].resident_bytes <= 300
+    assert store.exists(store_key(salt_of("q"), 9)) and not store.exists(store_key(salt_of("q"), 0))
+    assert store.exists(store_key(salt_of("k"), 0)), "another salt never pays for it"
     assert store.stored_bytes == 400
 
 
 def test_a_full_tier_is_brought_back_under_its_size() -> None:
-    store = _store(_tenant("a", CAPACITY), _tenant("b", CAPACITY))
+    store = _store(shared_tier_tenant("a", CAPACITY), shared_tier_tenant("b", CAPACITY))
     for n in range(30):
-        store.set(_key(_salt("a" if n % 2 else "b"), n), b"z" * 10_000)
+        store.set(store_key(salt_of("a" if n % 2 else "b"), n), b"z" * 10_000)
         assert store.stored_bytes <= CAPACITY
     assert store.stored_bytes >= CAPACITY * 0.5
 
 
 def test_a_tenant_removed_from_the_table_loses_its_chunks_in_the_next_cycle() -> None:
-    keep, gone = _tenant("keep", 10_000), _tenant("gone", 10_000)
+    keep, gone = shared_tier_tenant("keep", 10_000), shared_tier_tenant("gone", 10_000)
     store = _store(keep, gone)
-    store.set(_key(_salt("keep"), 1), b"k" * 10)
-    store.set(_key(_salt("gone"), 1), b"g" * 10)
-    store.set_limits(compute_l1_limits(_table_of(keep), KEYS, "shared", CAPACITY))
+    store.set(store_key(salt_of("keep"), 1), b"k" * 10)
+    store.set(store_key(salt_of("gone"), 1), b"g" * 10)
+    store.set_limits(compute_l1_limits(shared_tier_table(keep), KEYS, "shared", CAPACITY))
     store.cycle()
-    assert not store.exists(_key(_salt("gone"), 1)) and store.exists(_key(_salt("keep"), 1))
-    assert not store.set(_key(_salt("gone"), 2), b"g")
+    assert not store.exists(store_key(salt_of("gone"), 1)) and store.exists(store_key(salt_of("keep"), 1))
+    assert not store.set(store_key(salt_of("gone"), 2), b"g")
 
 
 @pytest.mark.parametrize("tiers", [{}, {"cpuSize": "0", "nvme": None}])
