@@ -408,8 +408,13 @@ class Balancer:
                 await dst.drain()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Take this connection's turn before the first await: connections accepted together (every client
+        # of the run at its start, every client of a closed gateway at once) would otherwise all read the
+        # same turn and go to one backend, and none would ever be offered to the stopped one.
+        start = self._next
+        self._next += 1
         for k in range(len(self.backends)):
-            index = (self._next + k) % len(self.backends)
+            index = (start + k) % len(self.backends)
             try:
                 up_reader, up_writer = await asyncio.open_connection(*self.backends[index])
             except OSError:
@@ -419,7 +424,6 @@ class Balancer:
         else:
             writer.close()
             return
-        self._next = index + 1
         self.connections[index] += 1
         self.active[index] += 1
         try:
@@ -463,11 +467,17 @@ async def test_gateway_roll_loses_no_request(
     ):
         balancer = Balancer([a.host_port, b.host_port])
         async with balancer.running(), aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
-            stop_at = time.monotonic() + 14
+            # Clients run until the stopped gateway has exited and each of them has started a request
+            # after that (a new connection, which the balancer first offers to the gone gateway): a fixed
+            # run length let a slow drain outlast the run on a loaded machine, and then no connection was
+            # refused at all.
+            a_exited = asyncio.Event()
 
             async def client(i: int) -> None:
                 n = 0
-                while time.monotonic() < stop_at:
+                turns_after_exit = 0
+                while turns_after_exit < 2:
+                    turns_after_exit += a_exited.is_set()
                     n += 1
                     try:
                         result = await stream(
@@ -489,7 +499,8 @@ async def test_gateway_roll_loses_no_request(
             terminated_at = time.monotonic()
             exit_code = await asyncio.wait_for(a.proc.wait(), 40)
             exited_after = time.monotonic() - terminated_at
-            await asyncio.gather(*clients)
+            a_exited.set()
+            await asyncio.wait_for(asyncio.gather(*clients), 60)
         assert failures == [] and outcomes["ok"] > 0, (outcomes, failures[:5])
         assert exit_code == 0 and exited_after < 30, (exit_code, exited_after)
         assert in_flight_on_a > 0  # the gateway was stopped under load, not idle
