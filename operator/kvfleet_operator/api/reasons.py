@@ -62,6 +62,20 @@ GPU_GROUP_IN_USE: Final = "GpuGroupInUse"
 it, in any watched namespace; the message names it). A group serves one tenant, so nothing of this one is
 applied. Delete it and recreate it with another group (the field is immutable), or delete the owner."""
 
+GPU_GROUP_NOT_BOUND: Final = "GpuGroupNotBound"
+"""Tenant: ``spec.dedicated.gpuGroup`` names a GPU group the platform bound to no owner (chart value
+``dedicatedGpuGroups.owners``): nothing of it is built. A platform administrator binds the group to the
+tenant's namespace (``<namespace>``) or to the tenant (``<namespace>/<tenant>``). After an upgrade, a
+tenant whose pool already runs on an unbound group keeps it (``Degraded``, still serving) until the group
+is bound."""
+
+NAME_IN_USE: Final = "NameInUse"
+"""ModelDeployment or Tenant: an object the operator would create under its name (the message names kind,
+namespace, name and who owns it) exists already and is not this ModelDeployment's (no controller owner
+reference with its uid): the operator never writes over it. On a ModelDeployment nothing of it is
+written; on a dedicated Tenant nothing of that tenant is. Delete or rename the object in the way, or
+rename the ModelDeployment or Tenant."""
+
 MODEL_DEPLOYMENT_NOT_FOUND: Final = "ModelDeploymentNotFound"
 """Tenant: ``spec.modelDeploymentRef`` names no ModelDeployment in the tenant's namespace. Fix the name
 or create the ModelDeployment."""
@@ -114,6 +128,8 @@ CONDITION_REASONS: Final = (
     API_KEY_TOO_WEAK,
     API_KEY_SHARED,
     GPU_GROUP_IN_USE,
+    GPU_GROUP_NOT_BOUND,
+    NAME_IN_USE,
     MODEL_DEPLOYMENT_NOT_FOUND,
     MODEL_DEPLOYMENT_DELETING,
     CAPACITY_UNKNOWN,

@@ -66,6 +66,13 @@ from kvfleet_operator.reconcile.node_loss import (
     decide_lost_engine_pods,
     node_loss_event,
 )
+from kvfleet_operator.reconcile.ownership import (
+    NameCollision,
+    find_collision,
+    name_in_use_problem,
+    owned_children,
+    split_collisions,
+)
 from kvfleet_operator.reconcile.plan import Action, compute_plan
 
 log = logging.getLogger(__name__)
@@ -121,6 +128,9 @@ class Cycle:
     raw_md: Obj | None = None
     #: The ModelDeployment's tenants as read (not being deleted), by name, in the order listed.
     raw_tenants: dict[str, Obj] = field(default_factory=dict)
+    #: The uids of every Tenant of the namespace: with the ModelDeployment's, the owners whose children
+    #: the reconcile may update or prune (``reconcile/ownership.py``).
+    tenant_uids: set[str] = field(default_factory=set)
     secrets: dict[str, Obj] = field(default_factory=dict)
     md: ModelDeployment | None = None
     #: Tenants that parse and whose API key resolves (or will be generated once admitted).
@@ -162,7 +172,9 @@ async def read_model_deployment(client: KubeClient, c: Cycle) -> None:
 
 
 async def read_tenants(client: KubeClient, c: Cycle) -> None:
-    c.raw_tenants = steps.select_tenants(await client.list(kinds.TENANT, c.namespace), c.name)
+    listed = await client.list(kinds.TENANT, c.namespace)
+    c.tenant_uids = {str(t["metadata"].get("uid") or "") for t in listed} - {""}
+    c.raw_tenants = steps.select_tenants(listed, c.name)
 
 
 async def parse_model_deployment(client: KubeClient, c: Cycle) -> None:
@@ -260,7 +272,9 @@ async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
         tenant = by_name[name]
         body = build_api_key_secret(tenant, c.keys[name].secret_name, new_api_key())
         try:
-            secret: Obj | None = await client.apply(kinds.SECRET, body, force=False)
+            # Create, never apply: a Secret of that name that exists already (unlabelled, so not listed)
+            # is someone's, and is read below, never written (``reconcile/ownership.py``).
+            secret: Obj | None = await client.create(kinds.SECRET, body)
         except ApiError as exc:
             if not exc.conflict:
                 raise
@@ -274,16 +288,21 @@ async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
 
 
 async def read_children(client: KubeClient, c: Cycle) -> None:
-    """Every owned child. An exposure kind whose API the cluster does not serve (an HTTPRoute without the
-    Gateway API CRDs: 404) has no children and is recorded, so the reconcile says so instead of failing."""
+    """Every owned child: listed by label, kept only when the ModelDeployment or one of the namespace's
+    Tenants controls it (a label is not ownership: anything else wearing it is neither updated nor
+    pruned). An exposure kind whose API the cluster does not serve (an HTTPRoute without the Gateway API
+    CRDs: 404) has no children and is recorded, so the reconcile says so instead of failing."""
     selector = owned_selector(c.name)
+    listed: list[Obj] = []
     for kind in steps.child_kinds(c.config.monitoring, c.config.exposure):
         try:
-            c.children += await client.list(kind, c.namespace, label_selector=selector)
+            listed += await client.list(kind, c.namespace, label_selector=selector)
         except ApiError as exc:
             if not (exc.not_found and kind in kinds.EXPOSURE_KINDS):
                 raise
             c.unserved.add(kind)
+    owners = {str((c.raw_md or {}).get("metadata", {}).get("uid") or ""), *c.tenant_uids} - {""}
+    c.children += owned_children(listed, owners)
 
 
 async def build_desired(client: KubeClient, c: Cycle) -> None:
@@ -324,6 +343,50 @@ async def read_nodes(client: KubeClient, c: Cycle) -> None:
 async def plan(client: KubeClient, c: Cycle) -> None:
     if c.desired is not None:
         c.plan = compute_plan(c.desired, c.children)
+
+
+async def _collisions(
+    client: KubeClient, c: Cycle, seen: dict[tuple[str, str], Obj | None]
+) -> list[NameCollision]:
+    """The planned applies whose name is in use by an object their owner does not control. A listed
+    child was read already; any other name costs one GET (``seen`` keeps them across rounds), so a
+    converged ModelDeployment costs none."""
+    live = {(o["kind"], o["metadata"]["name"]): o for o in c.children}
+    found: list[NameCollision] = []
+    for action in c.plan:
+        if action.verb != "apply" or action.obj is None:
+            continue
+        key = (action.kind.kind, action.name)
+        if key not in live and key not in seen:
+            seen[key] = await client.get(action.kind, action.name, action.namespace)
+        collision = find_collision(action.obj, live.get(key) or seen.get(key))
+        if collision is not None:
+            found.append(collision)
+    return found
+
+
+async def claim_names(client: KubeClient, c: Cycle) -> None:
+    """Write nothing over an object the owner does not control (``reconcile/ownership.py``). A dedicated
+    tenant whose pool's name is in use is left out (``NameInUse`` on it) and the rest is built again
+    without it; a name in use by any other child stops every write of this reconcile (``NameInUse`` on
+    the ModelDeployment): nothing is half-applied."""
+    seen: dict[tuple[str, str], Obj | None] = {}
+    while c.plan:
+        collisions = await _collisions(client, c, seen)
+        if not collisions:
+            return
+        pools = {d.pool: d.name for d in c.decisions if d.pool != SHARED_POOL}
+        by_tenant, own = split_collisions(collisions, pools)
+        if own:
+            c.result.problem = name_in_use_problem(collisions, "ModelDeployment")
+            c.plan, c.desired = [], None
+            return
+        for name, theirs in by_tenant.items():
+            c.tenant_problems[name] = name_in_use_problem(theirs, "Tenant")
+        c.tenants = [t for t in c.tenants if str(t.metadata["name"]) not in by_tenant]
+        c.decisions = [d for d in c.decisions if d.name not in by_tenant]
+        await build_desired(client, c)
+        await plan(client, c)
 
 
 async def apply(client: KubeClient, c: Cycle) -> None:
@@ -455,6 +518,7 @@ STEPS: Final[tuple[Step, ...]] = (
     build_desired,
     read_nodes,
     plan,
+    claim_names,
     apply,
     prune,
     replace_lost_engine_pods,
