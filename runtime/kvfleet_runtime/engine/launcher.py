@@ -71,6 +71,9 @@ MIN_L1_BYTES = GIB // 8
 #: L1 runs LMCache's global LRU (``IsolatedLRU`` raises on L1); kvfleet governs it per tenant
 #: (``engine/lmcache_server.py``).
 L1_EVICTION_POLICY = "LRU"
+#: vLLM fetches every http(s) URL in a media part when ``--allowed-media-domains`` is empty, so an engine
+#: that should fetch from nowhere gets a list holding only this name, which nothing resolves (RFC 2606).
+NO_MEDIA_HOST = "media-urls-refused.invalid"
 #: The NVMe (L2) adapter evicts a salt once it reaches its quota, then a fifth of that quota.
 L2_TRIGGER_WATERMARK = 1.0
 L2_EVICTION_RATIO = 0.2
@@ -105,6 +108,9 @@ class ReplicaSite:
 
     #: More environment for vLLM, e.g. the engine plugin's (``build_plugin_env``).
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Hosts whose http(s) media URLs vLLM may fetch (``--allowed-media-domains``); empty: none
+    #: (``NO_MEDIA_HOST``). The gateway refuses the others first (``gateway.rewrite.check_media_urls``).
+    allowed_media_domains: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -281,6 +287,10 @@ def build_vllm_args(replica: EngineReplica, python: str = sys.executable) -> lis
     if e.lmcache is not None:
         config = build_kv_transfer_config(e.lmcache, LMCACHE_HOST)
         args += ["--kv-transfer-config", json.dumps(config, sort_keys=True)]
+    # Defence in depth behind the gateway's check: vLLM fetches media URLs from inside the pod (cloud
+    # metadata, in-cluster services, its own loopback), so only the allowed hosts, without redirects
+    # (``build_vllm_env``).
+    args += ["--allowed-media-domains", *(replica.site.allowed_media_domains or (NO_MEDIA_HOST,))]
     return args + list(e.extra_args)
 
 
@@ -306,6 +316,8 @@ def build_vllm_env(
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.update(replica.site.env)
+    # A redirect from an allowed media host would lead the fetch anywhere (``build_vllm_args``).
+    env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] = "0"
     return env
 
 

@@ -13,12 +13,14 @@ Contract (one ``TenantGate`` per tenant, per gateway process):
   and refilling continuously. A request that finds its bucket short is refused at once with the seconds
   until it would fit (``Throttled.retry_after``, sent as ``Retry-After``).
 * **What a request costs is decided before it is admitted** (``plan_request_budget``): it runs
-  ``sequences = max(n, best_of)`` sequences of at most ``max_tokens`` tokens each. A request without
-  ``max_tokens`` gets one injected: the most each sequence may generate within every bound the gateway
-  knows (the tenant's HBM burst cap, one minute of its token share, the model's context length; the
-  gateway's default only when none is known). The engine would otherwise generate up to the model's
-  context length, which no estimate made before the answer can bound; with the cap in the request, the
-  budget below is exact instead of a guess, and vLLM clamps it to the context length anyway.
+  ``sequences = max(n, best_of)`` sequences (times the prompts of a completions batch) of at most
+  ``max_tokens`` tokens each (on chat, ``max_completion_tokens`` when sent: vLLM obeys it over
+  ``max_tokens``). A request without a bound gets ``max_tokens`` injected: the most each sequence may
+  generate within every bound the gateway knows (the tenant's HBM burst cap, one minute of its token
+  share, the model's context length; the gateway's default only when none is known). The engine would
+  otherwise generate up to the model's context length, which no estimate made before the answer can
+  bound; with the cap in the request, the budget below is exact instead of a guess, and vLLM clamps it
+  to the context length anyway.
   A request whose KV footprint (``sequences x ceil((prompt + max_tokens) / block_size)`` blocks) exceeds
   the tenant's burst cap, or whose token estimate exceeds one minute of its token share, can never run
   within its limits and is refused with ``RequestTooLarge`` (a 400), before any bucket is charged.
@@ -212,9 +214,14 @@ class RequestBudget(NamedTuple):
 
 
 def plan_request_budget(
-    prompt_tokens: int, max_tokens: int | None, sequences: int, limits: BudgetLimits
+    prompt_tokens: int,
+    max_tokens: int | None,
+    sequences: int,
+    limits: BudgetLimits,
+    max_tokens_param: str = "max_tokens",
 ) -> RequestBudget:
     """The request's budget, injecting ``max_tokens`` when it is missing (module docstring, rules).
+    ``max_tokens_param`` names the field the client set the bound with (the ``param`` of a refusal).
 
     Raises ``RequestTooLarge`` when the request cannot run within the tenant's limits.
     """
@@ -237,7 +244,7 @@ def plan_request_budget(
             raise RequestTooLarge(_too_large_message(binding, prompt_tokens, sequences, limits), "n")
     blocks = sequences * math.ceil((prompt_tokens + max_tokens) / bs)
     estimate = prompt_tokens + sequences * max_tokens
-    param = "n" if sequences > 1 else "max_tokens"
+    param = "n" if sequences > 1 else max_tokens_param
     if burst is not None and blocks > burst:
         raise RequestTooLarge(
             f"this request needs up to {blocks} KV blocks ({sequences} sequence(s) of about "

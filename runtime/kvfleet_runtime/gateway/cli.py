@@ -30,6 +30,21 @@ def _positive_int(value: str) -> int:
     return int(value)
 
 
+def _non_negative_int(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"wants an integer of 0 or more, got {value!r}")
+    return int(value)
+
+
+def _host_list(value: str) -> frozenset[str]:
+    """``--allowed-media-domains``: comma-separated host names (lower-cased; empty: none)."""
+    hosts = frozenset(h.strip().lower() for h in value.split(",") if h.strip())
+    for host in hosts:
+        if not all(c.isalnum() or c in ".-" for c in host) or not host.isascii():
+            raise argparse.ArgumentTypeError(f"wants host names separated by commas, got {host!r}")
+    return hosts
+
+
 def _replicas(value: str) -> int:
     """``--replicas``: a count, or empty (an unset environment variable) for 1."""
     return _positive_int(value) if value else 1
@@ -74,6 +89,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--max-connections", type=_positive_int, default=4096, help="open client connections; more get 503"
+    )
+    p.add_argument(
+        "--max-connections-per-source",
+        type=_non_negative_int,
+        default=None,
+        help="open client connections from one source address; more get 503 (default: a quarter of "
+        "--max-connections; 0: no bound). Behind a proxy or load balancer that hides client addresses "
+        "every client shares one address: raise it or set 0 there",
     )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a body (else 408)")
@@ -124,6 +147,13 @@ def register(subparsers: Any) -> None:
         help="max_tokens injected into a request that sends none when the tenant table gives no bound "
         "(no KV burst cap, tokens per minute or context length)",
     )
+    p.add_argument(
+        "--allowed-media-domains",
+        type=_host_list,
+        default=frozenset(),
+        help="comma-separated hosts whose http(s) URLs image_url/audio_url/video_url parts may carry (exact "
+        "names); by default only data: URLs: the engine would fetch any other URL from inside the cluster",
+    )
     p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a replica")
     p.add_argument(
         "--upstream-timeout",
@@ -164,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         idle_timeout_s=args.idle_timeout,
         max_connections=args.max_connections,
+        max_connections_per_source=args.max_connections_per_source,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
         tenant_body_bytes=args.tenant_body_bytes,
@@ -180,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         affinity_prefix_chars=args.affinity_prefix_chars,
         load_factor=args.load_factor,
         default_max_tokens=args.default_max_tokens,
+        allowed_media_domains=args.allowed_media_domains,
         connect_timeout_s=args.connect_timeout,
         upstream_read_timeout_s=args.upstream_timeout,
         health_timeout_s=args.health_timeout,

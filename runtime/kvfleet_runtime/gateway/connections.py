@@ -8,6 +8,9 @@ connection wrapped in a ``_Guard`` protocol that:
 
 * refuses a connection beyond ``max_connections`` with a ``503`` and closes it at once, so connections
   over the bound are never queued and the process's file descriptors stay bounded;
+* refuses a connection beyond ``max_per_source`` from one source address the same way, so one host
+  cannot hold the whole bound and shut every tenant out (0: no per-source bound; behind a proxy or a
+  load balancer that does not keep client addresses, every client shares its address);
 * gives each request ``header_timeout_s`` to deliver its headers, counted from accept for a connection's
   first request and from the request's first byte after that (Go's ``ReadHeaderTimeout``); a request
   that is late gets a ``408`` and its connection is closed;
@@ -54,6 +57,10 @@ def _plain_response(status: str, message: str) -> bytes:
 
 
 _BUSY = _plain_response("503 Service Unavailable", "the gateway has too many open connections")
+_SOURCE_BUSY = _plain_response(
+    "503 Service Unavailable",
+    "too many open connections from this address; close idle ones or reuse them (keep-alive)",
+)
 _HEADER_TIMEOUT = _plain_response("408 Request Timeout", "request headers not received in time")
 
 
@@ -105,8 +112,9 @@ def _openai_errors(handler: RequestHandler) -> RequestHandler:
 class ConnectionGuards:
     """The guards of one listening socket: their settings, the open connections and what was closed.
 
-    ``on_refused`` and ``on_header_timeout`` are called once per connection closed for that reason (the
-    gateway counts them in its metrics). ``start`` and ``stop`` run the deadline sweep.
+    ``on_refused``, ``on_source_refused`` and ``on_header_timeout`` are called once per connection closed
+    for that reason (the gateway counts them in its metrics). ``start`` and ``stop`` run the deadline
+    sweep. ``max_per_source`` bounds the connections open from one source address (0: unbounded).
     """
 
     def __init__(
@@ -115,11 +123,18 @@ class ConnectionGuards:
         header_timeout_s: float,
         on_refused: Callable[[], None] = lambda: None,
         on_header_timeout: Callable[[], None] = lambda: None,
+        *,
+        max_per_source: int = 0,
+        on_source_refused: Callable[[], None] = lambda: None,
     ) -> None:
         self.max_connections = max_connections
+        self.max_per_source = max_per_source
         self.header_timeout_s = header_timeout_s
         self.on_refused = on_refused
+        self.on_source_refused = on_source_refused
         self.on_header_timeout = on_header_timeout
+        #: Open connections by source address (only while ``max_per_source`` is set).
+        self.by_source: dict[str, int] = {}
         #: Open connections, by the aiohttp protocol each one wraps (how a request finds its guard).
         self.by_protocol: dict[object, _Guard] = {}
         self.sweep_interval_s = min(1.0, max(0.02, header_timeout_s / 5))
@@ -169,7 +184,17 @@ class ConnectionGuards:
 class _Guard(asyncio.Protocol):
     """One connection: aiohttp's protocol inside, the bound and the header clock around it."""
 
-    __slots__ = ("_guards", "_inner", "_refused", "_started", "_state", "_tail", "_transport", "deadline")
+    __slots__ = (
+        "_guards",
+        "_inner",
+        "_refused",
+        "_source",
+        "_started",
+        "_state",
+        "_tail",
+        "_transport",
+        "deadline",
+    )
 
     def __init__(self, inner: Any, guards: ConnectionGuards) -> None:
         self._inner = inner
@@ -181,19 +206,33 @@ class _Guard(asyncio.Protocol):
         self._tail = b""
         self._started = False
         self._refused = False
+        #: The source address counted in ``by_source`` (``None``: not counted).
+        self._source: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's is no subclass of it
         guards = self._guards
         if guards.open >= guards.max_connections:
-            self._refused = True
-            guards.on_refused()
-            transport.write(_BUSY)  # type: ignore[attr-defined]
-            transport.close()
+            self._refuse(transport, _BUSY, guards.on_refused)
             return
+        if guards.max_per_source:
+            peer = transport.get_extra_info("peername")
+            source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            count = guards.by_source.get(source, 0)
+            if count >= guards.max_per_source:
+                self._refuse(transport, _SOURCE_BUSY, guards.on_source_refused)
+                return
+            guards.by_source[source] = count + 1
+            self._source = source
         guards.by_protocol[self._inner] = self
         self._begin_headers()
         self._inner.connection_made(transport)
+
+    def _refuse(self, transport: asyncio.BaseTransport, answer: bytes, count: Callable[[], None]) -> None:
+        self._refused = True
+        count()
+        transport.write(answer)  # type: ignore[attr-defined]
+        transport.close()
 
     def _begin_headers(self) -> None:
         self._state = _HEADERS
@@ -269,7 +308,16 @@ class _Guard(asyncio.Protocol):
         self.deadline = math.inf
         if self._refused:
             return
-        self._guards.by_protocol.pop(self._inner, None)
+        guards = self._guards
+        guards.by_protocol.pop(self._inner, None)
+        source = self._source
+        if source is not None:
+            self._source = None
+            left = guards.by_source[source] - 1
+            if left:
+                guards.by_source[source] = left
+            else:
+                del guards.by_source[source]
         self._inner.connection_lost(exc)
 
 

@@ -103,7 +103,7 @@ REJECT_REASONS: Final = (
     "no_healthy_replica",
 )
 #: ``reason`` of ``kvfleet_gateway_connections_closed_total``.
-CONNECTION_CLOSE_REASONS: Final = ("over_limit", "header_timeout")
+CONNECTION_CLOSE_REASONS: Final = ("over_limit", "over_source_limit", "header_timeout")
 #: ``kind`` of ``kvfleet_gateway_upstream_errors_total``.
 UPSTREAM_ERROR_KINDS: Final = ("connect", "status_5xx", "disconnect", "timeout")
 
@@ -360,8 +360,9 @@ class GatewayMetrics:
         )
         self.connections_closed = Counter(
             CONNECTIONS_CLOSED_TOTAL.removesuffix("_total"),
-            "Client connections the gateway closed itself: over the connection bound (refused at once "
-            "with a 503) or headers not received within the header timeout (408).",
+            "Client connections the gateway closed itself: over the connection bound or the bound per "
+            "source address (refused at once with a 503) or headers not received within the header "
+            "timeout (408).",
             ("reason",),
             registry=r,
         )

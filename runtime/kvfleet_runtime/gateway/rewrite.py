@@ -5,8 +5,9 @@ picklable, so the server runs it inline for small bodies and in a worker process
 body's parse then never holds the event loop that serves every other tenant).
 
 What the gateway accepts: a JSON object, valid UTF-8 (no lone surrogates, escaped or not), nested at most
-``MAX_JSON_DEPTH`` levels, at most ``MAX_SEQUENCES`` sequences (``n``, ``best_of``); anything else is a 400
-with a message saying what is wrong.
+``MAX_JSON_DEPTH`` levels, at most ``MAX_SEQUENCES`` sequences (``n``, ``best_of``), media parts whose URL
+is ``data:`` or an http(s) URL on a host the platform allows (``check_media_urls``); anything else is a
+400 with a message saying what is wrong.
 
 What the gateway changes in a client's request before it reaches vLLM (vLLM 0.32 OpenAI server):
 
@@ -52,6 +53,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, NamedTuple
+from urllib.parse import urlsplit
 
 from kvfleet_runtime.gateway.admission import BudgetLimits, RequestBudget, plan_request_budget
 
@@ -78,6 +80,9 @@ REQUEST_ID_PREFIX: Final = "kvf_"
 #: Chat templates add a few tokens per message (role markers); counted so the estimate is not low.
 CHAT_MESSAGE_OVERHEAD_TOKENS: Final = 4
 CHARS_PER_TOKEN: Final = 4
+#: Keys of a chat content part whose URL vLLM fetches (vLLM 0.32 ``renderers/chat_utils.py``
+#: ``MM_PARSER_MAP`` and its untyped-part fallbacks; ``input_image`` carries its URL in ``image_url``).
+MEDIA_URL_KEYS: Final = ("image_url", "audio_url", "video_url")
 #: Deepest JSON nesting accepted (a chat request with content parts nests about five levels).
 MAX_JSON_DEPTH: Final = 64
 #: Most sequences one request may ask for (``n``, ``best_of``).
@@ -123,8 +128,10 @@ class ParsedRequest(NamedTuple):
     prompt_tokens_estimate: int
     max_tokens: int | None
     affinity_text: str
-    #: Sequences the engine runs for it: ``max(n, best_of)``.
+    #: Sequences the engine runs for it: ``max(n, best_of)``, times the prompts of a completions batch.
     sequences: int = 1
+    #: The field ``max_tokens`` was read from (``max_completion_tokens`` on chat when it was sent).
+    max_tokens_param: str = "max_tokens"
 
 
 def decode_json(raw: bytes | bytearray) -> Any:
@@ -249,6 +256,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _prompt_count(prompt: Any) -> int:
+    """Prompts in a validated ``prompt``: a string or one token-id list is one, a list of them is many."""
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        return len(prompt)
+    return 1
+
+
 def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedRequest:
     """Validate the fields the gateway relies on; raise ``BadRequest`` with a client-safe message.
 
@@ -289,13 +303,18 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     max_tokens: int | None = None
+    max_tokens_param = "max_tokens"
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is None:
             continue
         if not _is_int(value) or value < 1:
             raise BadRequest(f"'{name}' must be a positive integer", name)
-        max_tokens = value if max_tokens is None else min(max_tokens, value)
+        # What vLLM obeys: on chat, max_completion_tokens over max_tokens (the smaller of the two made a
+        # request of max_tokens 1 and max_completion_tokens 30000 cost 1 token and generate 30000);
+        # completions have no max_completion_tokens (vLLM ignores it there).
+        if name == "max_tokens" or endpoint is Endpoint.CHAT:
+            max_tokens, max_tokens_param = value, name
     sequences = 1
     for name in ("n", "best_of"):
         value = body.get(name)
@@ -304,6 +323,9 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
         if not _is_int(value) or not 1 <= value <= MAX_SEQUENCES:
             raise BadRequest(f"'{name}' must be an integer between 1 and {MAX_SEQUENCES}", name)
         sequences = max(sequences, value)
+    if endpoint is Endpoint.COMPLETIONS:
+        # A list of prompts is a batch: vLLM runs n sequences for each prompt.
+        sequences *= _prompt_count(body["prompt"])
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
@@ -317,6 +339,61 @@ def parse_request(body: Any, endpoint: Endpoint, affinity_chars: int) -> ParsedR
         max_tokens=max_tokens,
         affinity_text=compute_affinity_text(body, endpoint, affinity_chars),
         sequences=sequences,
+        max_tokens_param=max_tokens_param,
+    )
+
+
+def check_media_urls(messages: list[Any], allowed_hosts: frozenset[str]) -> None:
+    """``BadRequest`` naming the field for a media URL the engine would fetch from anywhere but an allowed
+    host: vLLM fetches every http(s) URL in ``image_url``, ``audio_url`` and ``video_url`` parts (and
+    ``input_image``'s ``image_url``, and those keys in a part without ``type``), following redirects, from
+    inside the engine pod: cloud metadata, in-cluster services, the pod's own loopback. ``data:`` URLs
+    are fetched from nothing. Only content lists are looked at, not their text: an ordinary request
+    costs one type check per message."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            for key in MEDIA_URL_KEYS:
+                value = part.get(key)
+                if value is None:
+                    continue
+                url = value.get("url") if isinstance(value, dict) else value
+                if isinstance(url, str) and _media_url_allowed(url, allowed_hosts):
+                    continue
+                where = f"messages[{i}].content[{j}].{key}"
+                raise BadRequest(
+                    f"'{where}' is not a data: URL"
+                    + (
+                        f" or an http(s) URL on an allowed host ({', '.join(sorted(allowed_hosts))})"
+                        if allowed_hosts
+                        else ""
+                    )
+                    + "; the engine does not fetch media from other places. Send the media inline as "
+                    "a data: URL (data:<type>;base64,<data>)"
+                    + ("" if allowed_hosts else ", or ask the platform to allow the host"),
+                    where,
+                )
+
+
+def _media_url_allowed(url: str, allowed_hosts: frozenset[str]) -> bool:
+    if url[:5].lower() == "data:":  # as vLLM tells a data URL from one it fetches
+        return True
+    if not allowed_hosts or not url.isascii() or not url.isprintable() or "\\" in url or " " in url:
+        return False  # nothing else allowed; or a URL two parsers might read as two different hosts
+    try:
+        split = urlsplit(url)
+        host = split.hostname
+    except ValueError:
+        return False
+    return (
+        split.scheme in ("http", "https")
+        and "@" not in split.netloc
+        and host is not None
+        and host in allowed_hosts
     )
 
 
@@ -396,6 +473,8 @@ class RequestPolicy:
     models: frozenset[str]
     affinity_chars: int
     budget: BudgetLimits
+    #: Hosts whose http(s) media URLs may reach the engine (exact names); empty: ``data:`` URLs only.
+    media_domains: frozenset[str] = frozenset()
 
 
 class PreparedRequest(NamedTuple):
@@ -416,13 +495,19 @@ def prepare_request(raw: bytes | bytearray, endpoint: Endpoint, policy: RequestP
     Raises ``BadRequest`` (400), ``ModelNotAllowed`` (403) or ``admission.RequestTooLarge`` (400).
     """
     parsed = parse_request(decode_json(raw), endpoint, policy.affinity_chars)
+    if endpoint is Endpoint.CHAT:
+        check_media_urls(parsed.body["messages"], policy.media_domains)
     if parsed.model not in policy.models:
         raise ModelNotAllowed(
             f"this API key may not use model {parsed.model[:100]!r}; GET /v1/models lists the allowed ones",
             "model",
         )
     budget = plan_request_budget(
-        parsed.prompt_tokens_estimate, parsed.max_tokens, parsed.sequences, policy.budget
+        parsed.prompt_tokens_estimate,
+        parsed.max_tokens,
+        parsed.sequences,
+        policy.budget,
+        parsed.max_tokens_param,
     )
     body = build_upstream_body(
         parsed,

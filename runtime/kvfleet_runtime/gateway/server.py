@@ -107,6 +107,11 @@ class GatewaySettings:
     idle_timeout_s: float = 60.0
     #: Open client connections; one more is answered 503 and closed at once.
     max_connections: int = 4096
+    #: Open client connections from one source address; one more is answered 503 and closed at once, so
+    #: one host cannot hold the whole bound. ``None``: a quarter of ``max_connections``; 0: no such bound
+    #: (behind a proxy or load balancer that hides client addresses, every client shares its address:
+    #: raise it or set 0 there; ``per_source_connections``).
+    max_connections_per_source: int | None = None
     max_body_bytes: int = 4 * MIB
     body_timeout_s: float = 10.0
     #: Request bodies one tenant may have in memory at once (reserved before they are read).
@@ -134,6 +139,9 @@ class GatewaySettings:
     load_factor: float = 1.25
     #: ``max_tokens`` injected when a request sends none and the tenant table gives no bound.
     default_max_tokens: int = 256
+    #: Hosts (exact, lower case) whose http(s) URLs media parts may carry; empty: ``data:`` URLs only
+    #: (``rewrite.check_media_urls``). The engines get the same list (``--allowed-media-domains``).
+    allowed_media_domains: frozenset[str] = frozenset()
     connect_timeout_s: float = 2.0
     #: Longest the engine may send nothing: before the answer's headers (a buffered answer's headers come
     #: with its last token) and between two reads of a stream. Past it: 504, or an error event mid-stream.
@@ -141,6 +149,14 @@ class GatewaySettings:
     upstream_connections: int = 4096
     #: On SIGTERM: how long in-flight requests may take to finish before they are cut.
     drain_timeout_s: float = 60.0
+
+
+def per_source_connections(settings: GatewaySettings) -> int:
+    """The bound on connections from one source address (0: none): the setting, else a quarter of the
+    whole bound, so at least four hosts are needed to fill it."""
+    if settings.max_connections_per_source is not None:
+        return settings.max_connections_per_source
+    return max(1, settings.max_connections // 4)
 
 
 def error_response(
@@ -160,10 +176,12 @@ def error_response(
 
 
 def stream_error_event(message: str, code: str = "upstream_failed") -> bytes:
-    """The SSE events that end a stream the engine broke: an error shaped as OpenAI's, then ``[DONE]``, as
-    vLLM ends a stream that failed (the openai client raises ``APIError`` on the error event)."""
+    """The SSE event that ends a stream the engine broke: an error shaped as OpenAI's (the openai client
+    raises ``APIError`` on it), and no ``[DONE]`` after it: ``[DONE]`` says the answer is complete, and a
+    client that stops at it without reading what came before (or reads events by the last one) must not
+    take a truncated answer for a whole one."""
     error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + json.dumps(error).encode() + b"\n\n"
 
 
 async def _nothing() -> None:
@@ -230,6 +248,8 @@ class Gateway:
             settings.header_timeout_s,
             on_refused=closed.labels("over_limit").inc,
             on_header_timeout=closed.labels("header_timeout").inc,
+            max_per_source=per_source_connections(settings),
+            on_source_refused=closed.labels("over_source_limit").inc,
         )
         self.metrics.open_connections.set_function(lambda: self.guards.open)
         #: Where ``/metrics`` is served (set by ``running_gateway``).
@@ -316,6 +336,7 @@ class Gateway:
             priority=tenant.entry.priority,
             models=tenant.models,
             affinity_chars=self.settings.affinity_prefix_chars,
+            media_domains=self.settings.allowed_media_domains,
             budget=BudgetLimits(
                 kv_burst_blocks=tenant.kv_burst_blocks,
                 block_size=tenant.pool.block_size,
@@ -511,7 +532,7 @@ class Gateway:
         reason, response = _AUTH_REFUSALS[found]
         self.metrics.count_rejected(m.UNAUTHENTICATED, reason)
         self.metrics.count_request(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, "client_error")
-        return response()
+        return _closing(response())
 
     async def expect_continue(self, request: web.Request) -> web.Response | None:
         """``Expect: 100-continue``: authenticate before telling the client to send its body."""
@@ -1022,6 +1043,7 @@ class Gateway:
             upstream.close()  # the client left while the engine was starting its answer
             return out, "cancelled"
         started.append(out)
+        _fail_stream_when_closed(upstream)
         ttft = series.ttft
         itl = series.itl
         last: float | None = None
@@ -1062,6 +1084,29 @@ class Gateway:
         return out, "ok"
 
 
+def _fail_stream_when_closed(upstream: aiohttp.ClientResponse) -> None:
+    """Make the answer's body fail if its connection closes before the body ended.
+
+    aiohttp leaves the body waiting forever when the engine sends bytes it cannot parse as chunked
+    encoding (a chunk cut and followed by anything else): it closes the connection and sets the error on
+    the connection's protocol, never on the body, and the read timeout goes with the connection. The
+    client's stream then hung, holding its admission slot, with no error event. One callback per stream."""
+    connection = upstream.connection
+    protocol = connection.protocol if connection is not None else None
+    closed = protocol.closed if protocol is not None else None
+    if closed is None:
+        return
+    content = upstream.content
+
+    def on_closed(future: asyncio.Future[None]) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved: how it closed is the body's error below, not a log line
+        if not content.is_eof() and content.exception() is None:
+            content.set_exception(aiohttp.ClientPayloadError("the engine connection closed mid-answer"))
+
+    closed.add_done_callback(on_closed)
+
+
 async def _end_stream_with_error(
     out: web.StreamResponse, message: str, code: str = "upstream_failed"
 ) -> None:
@@ -1072,7 +1117,9 @@ async def _end_stream_with_error(
 
 
 async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """Group a byte stream into complete SSE events (each ending with a blank line)."""
+    """Group a byte stream into complete SSE events (each ending with a blank line). An event the stream
+    ends in the middle of is dropped, as the SSE standard says: forwarded, it reached the client as a
+    complete event holding half a JSON object."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
@@ -1082,8 +1129,6 @@ async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]
         parts = normalized.split(b"\n\n")
         buffer = parts.pop()
         yield [p + b"\n\n" for p in parts if p.strip()]
-    if buffer.strip():
-        yield [buffer if buffer.endswith(b"\n\n") else buffer + b"\n\n"]
 
 
 def _event_json(event: bytes) -> Any:
@@ -1096,6 +1141,16 @@ def _event_json(event: bytes) -> Any:
                 except ValueError:
                     return None
     return None
+
+
+def _closing(response: web.Response) -> web.Response:
+    """``response``, and its connection closed after it: an answer to a client that has not shown a key
+    (refused, or a path that does not exist) must not leave it a connection to hold (keep-alive held one
+    for ``idle_timeout_s`` after each 401, so about 70 such requests a second from one host held the
+    whole connection bound and every tenant got 503)."""
+    response.force_close()
+    response.headers["Connection"] = "close"
+    return response
 
 
 def _auth_refusal(status: int, message: str, err_type: str, code: str) -> Callable[[], web.Response]:
@@ -1161,14 +1216,16 @@ async def _fallback(request: web.Request) -> web.Response:
     """404/405 as OpenAI-style JSON (a catch-all route is cheaper than a middleware on every request)."""
     allowed = _ROUTES.get(request.path)
     if allowed is not None:
-        return error_response(
-            405,
-            f"{request.method} is not allowed on {request.path}; use {allowed}",
-            "invalid_request_error",
-            "method_not_allowed",
-            headers={"Allow": allowed},
+        return _closing(
+            error_response(
+                405,
+                f"{request.method} is not allowed on {request.path}; use {allowed}",
+                "invalid_request_error",
+                "method_not_allowed",
+                headers={"Allow": allowed},
+            )
         )
-    return error_response(404, "no such endpoint", "invalid_request_error", "not_found")
+    return _closing(error_response(404, "no such endpoint", "invalid_request_error", "not_found"))
 
 
 def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> web.Application:
