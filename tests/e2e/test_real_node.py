@@ -202,6 +202,10 @@ def test_model_deployment_runs_engine_and_gateway_pods_under_restricted_pod_secu
     )
     assert engine["status"]["containerStatuses"][0]["restartCount"] == 0
     assert engine["status"]["containerStatuses"][0]["imageID"].endswith(_image_id("engine"))
+    # vLLM's and LMCache's own output is the pod's log (`kubectl logs`), each line behind its process: the
+    # launcher echoes it and keeps only bounded files in /tmp (runtime/kvfleet_runtime/engine/cli.py).
+    log = kubectl(plane, "logs", "-n", NS, engine["metadata"]["name"])
+    assert "[vllm] " in log and "[lmcache] " in log, log[-3000:]
     for pod in _pods(plane, NS, "app.kubernetes.io/component=gateway"):
         assert pod["spec"]["containers"][0]["image"].startswith(values["gatewayImage"]["repository"] + ":")
         assert pod["status"]["containerStatuses"][0]["imageID"].endswith(_image_id("kvfleet"))

@@ -21,6 +21,10 @@ from kvfleet_runtime.engine import launcher, model_source, restore_bench, shared
 from kvfleet_runtime.engine import lmcache_sync as ls
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
 
+#: Each of vLLM's and LMCache's log files in a pod (``/tmp``, an ``emptyDir``) stops at this size and moves
+#: to ``.1``: at most twice this per process on the pod's disk. Their output also goes to the pod's log.
+ENGINE_LOG_MAX_BYTES = 16 * 1024 * 1024
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("engine", help="vLLM + LMCache: tiny model, LMCache quota sync, launcher.")
@@ -298,11 +302,20 @@ def _launch(args: argparse.Namespace) -> int:
                 launcher.build_lmcache_args(lmc),  # loopback only: nothing outside the pod dials it
                 {**os.environ, **replica.site.env},
                 state_dir / "lmcache.log",
+                echo=sys.stdout,
+                max_log_bytes=ENGINE_LOG_MAX_BYTES,
             )
             procs.append(proc)
             proc.wait_ready(f"{lmcache_url}/healthcheck", args.startup_timeout)
         env = launcher.build_vllm_env(replica, os.environ, state_dir)
-        proc = launcher.EngineProcess("vllm", launcher.build_vllm_args(replica), env, state_dir / "vllm.log")
+        proc = launcher.EngineProcess(
+            "vllm",
+            launcher.build_vllm_args(replica),
+            env,
+            state_dir / "vllm.log",
+            echo=sys.stdout,
+            max_log_bytes=ENGINE_LOG_MAX_BYTES,
+        )
         procs.append(proc)
         waited = proc.wait_ready(f"{replica.vllm_url}/health", args.startup_timeout)
         print(f"vLLM ready on {replica.vllm_url} after {waited:.0f}s (logs in {state_dir})", flush=True)

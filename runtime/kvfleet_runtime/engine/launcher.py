@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -458,22 +459,61 @@ def wait_for_tcp(host: str, port: int, timeout_s: float) -> float:
 
 
 class EngineProcess:
-    """A server process in its own process group (vLLM forks an engine-core child; kill them all)."""
+    """A server process in its own process group (vLLM forks an engine-core child; kill them all).
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+    Its output goes to ``log_path``. With ``echo`` (``kvfleet engine launch`` in a pod) every line is also
+    written to that stream behind ``[name] ``, so ``kubectl logs`` shows vLLM's and LMCache's output, and
+    the file is bounded: past ``max_log_bytes`` it moves to ``<log_path>.1`` (replacing the older one) and
+    a new file starts, so a long-running pod never fills its ``/tmp`` (an ``emptyDir``) with logs."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        *,
+        echo: IO[str] | None = None,
+        max_log_bytes: int | None = None,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
+        self.max_log_bytes = max_log_bytes
+        self._echo = echo
         self._log: IO[bytes] = log_path.open("ab")
+        piped = echo is not None or max_log_bytes is not None
         self.proc: subprocess.Popen[bytes] = subprocess.Popen(
             self.argv,
             env=dict(env),
-            stdout=self._log,
+            stdout=subprocess.PIPE if piped else self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        self._pump: threading.Thread | None = None
+        if piped:
+            self._pump = threading.Thread(target=self._copy_output, name=f"{name}-log", daemon=True)
+            self._pump.start()
         self.started_at = time.monotonic()
+
+    def _copy_output(self) -> None:
+        """Copy the child's output line by line to the (bounded) file and the echo stream until it ends.
+
+        Never stops early: a child whose pipe is not read blocks on its next write."""
+        assert self.proc.stdout is not None
+        prefix = f"[{self.name}] "
+        for line in self.proc.stdout:
+            if self.max_log_bytes is not None and self._log.tell() + len(line) > self.max_log_bytes:
+                self._log.close()
+                self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
+                self._log = self.log_path.open("ab")
+            self._log.write(line)
+            self._log.flush()
+            if self._echo is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._echo.write(prefix + line.decode(errors="replace"))
+                    self._echo.flush()
 
     def wait_ready(self, health_url: str, timeout_s: float) -> float:
         """Block until ``health_url`` answers; on failure stop the process and raise with its log tail."""
@@ -486,7 +526,11 @@ class EngineProcess:
             ) from exc
 
     def log_tail(self, n_bytes: int = 6000) -> str:
+        """The last ``n_bytes`` of the output (across a rotation)."""
+        older = self.log_path.with_name(self.log_path.name + ".1")
         data = self.log_path.read_bytes()
+        if len(data) < n_bytes and older.exists():
+            data = older.read_bytes() + data
         return data[-n_bytes:].decode(errors="replace")
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -501,4 +545,6 @@ class EngineProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(timeout=5)
+        if self._pump is not None:
+            self._pump.join(timeout=5)  # the rest of the output, up to the pipe's end
         self._log.close()
