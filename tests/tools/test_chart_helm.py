@@ -17,6 +17,7 @@ from devcluster import find_binary
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS
 
 from components import missing_component
+from netpol_eval import ContainerPort, Namespace, Pod, allowed_ports
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvfleet"
@@ -78,6 +79,7 @@ def test_default_render_objects() -> None:
         "ConfigMap",
         "CustomResourceDefinition",
         "Deployment",
+        "NetworkPolicy",  # the operator's pods: probes, and metrics for the scrapers only
         "PodDisruptionBudget",
         "Role",
         "RoleBinding",
@@ -192,3 +194,36 @@ def test_one_dashboard_configmap_per_dashboard_with_configurable_sidecar_label()
         uids.add(json.loads(text)["uid"])
     assert uids == {spec.uid for spec in ALL_DASHBOARDS}
     assert not [d for d in render("--set", "dashboards.enabled=false") if d["kind"] == "ConfigMap"]
+
+
+def test_the_operators_metrics_port_admits_the_scrapers_only() -> None:
+    """A pod of another team's namespace (or of the operator's own) reaches an operator pod on the probe
+    port only; the configured scrapers reach the metrics port too, and a narrower scraper selector narrows
+    it."""
+
+    def ports_for(policies: list[dict[str, Any]], source: Pod) -> set[int]:
+        operator_pod = Pod(
+            "kvfleet-system",
+            "kvfleet-0",
+            {"app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/instance": "kvfleet",
+             "app.kubernetes.io/component": "operator"},
+            (ContainerPort(8081, "metrics"), ContainerPort(8080, "probe")),
+        )  # fmt: skip
+        spaces = [Namespace("kvfleet-system"), Namespace("team-a"), Namespace("monitoring"), Namespace("obs")]
+        return allowed_ports(policies, spaces, source, operator_pod)
+
+    scraper = {"kvfleet.io/metrics-scraper": "true"}
+    default = [only(render(), "NetworkPolicy", "kvfleet-operator")]
+    assert ports_for(default, Pod("team-a", "curious")) == {8080}
+    assert ports_for(default, Pod("team-a", "dressed-up", scraper)) == {8080}  # the label, not the namespace
+    assert ports_for(default, Pod("kvfleet-system", "neighbour")) == {8080}
+    assert ports_for(default, Pod("monitoring", "prometheus", scraper)) == {8080, 8081}
+    custom = [
+        only(
+            render("--set", "metricsScrapers.namespaceSelector.matchLabels.team=obs",
+                   "--set", "metricsScrapers.podSelector.matchLabels.app=prom"),
+            "NetworkPolicy",
+            "kvfleet-operator",
+        )
+    ]  # fmt: skip
+    assert ports_for(custom, Pod("monitoring", "prometheus", scraper)) == {8080}
