@@ -14,12 +14,14 @@ import hashlib
 import secrets
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 from devcluster import ControlPlane
 
+from kvfleet_operator.build.gpu_groups import GroupBinding
 from kvfleet_operator.build.model_deployment import OperatorImages
 from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
 from kvfleet_operator.k8s import kinds
@@ -55,10 +57,24 @@ def load_example(name: str, namespace: str) -> dict[str, Any]:
     return doc
 
 
+def bind_namespace_groups(plane: ControlPlane, namespace: str, config: OperatorConfig) -> OperatorConfig:
+    """``config`` with each dedicated GPU group a Tenant of ``namespace`` names bound to that namespace, as
+    a platform administrator sets ``dedicatedGpuGroups.owners`` for the teams it gives groups to. A config
+    that binds groups itself is returned as it is: the tests of the binding rule say whom they bind."""
+    if config.gpu_group_owners:
+        return config
+    status, body = plane.request("GET", f"{API}/namespaces/{namespace}/tenants")
+    assert status == 200, body
+    groups = {((t.get("spec") or {}).get("dedicated") or {}).get("gpuGroup") for t in body["items"]}
+    return replace(config, gpu_group_owners={g: GroupBinding(namespace) for g in groups if g})
+
+
 def reconcile(
     plane: ControlPlane, namespace: str, name: str, config: OperatorConfig = CONFIG
 ) -> tuple[ReconcileResult, int]:
-    """One reconcile with ``config``; returns its result and the number of mutating API calls it made."""
+    """One reconcile with ``config`` (its dedicated GPU groups bound to ``namespace`` unless it binds some:
+    :func:`bind_namespace_groups`); returns its result and the number of mutating API calls it made."""
+    config = bind_namespace_groups(plane, namespace, config)
 
     async def go() -> tuple[ReconcileResult, int]:
         async with KubeClient(Credentials.from_kubeconfig(plane.kubeconfig)) as client:

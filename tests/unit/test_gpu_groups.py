@@ -1,5 +1,7 @@
-"""Who owns a dedicated GPU group (build/gpu_groups.py): the oldest claimant in any watched namespace,
-stable until it is deleted; every other claimant is refused with a message naming the owner."""
+"""Who owns a dedicated GPU group (build/gpu_groups.py): whom the platform bound it to
+(``dedicatedGpuGroups.owners``), the oldest claimant within that binding; every other claimant is refused
+with a message naming the binding or the chart value to set. A group nobody bound keeps only a pool that
+already runs (an upgrade)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ from typing import Any
 
 import pytest
 
-from kvfleet_operator.api import Tenant
+from kvfleet_operator.api import Tenant, reasons
 from kvfleet_operator.build.gpu_groups import (
+    GroupBinding,
     GroupClaim,
+    decide_gpu_group_claims,
     gpu_group_claims,
     gpu_group_owners,
-    refused_claimants,
+    parse_gpu_group_owners,
     tolerates_gpu_groups,
 )
 
@@ -97,24 +101,107 @@ def _claim_fields(raw: dict[str, Any]) -> tuple[str, str, str, str]:
     return meta["creationTimestamp"], meta["namespace"], meta["name"], raw["spec"]["dedicated"]["gpuGroup"]
 
 
-def test_a_later_claimant_is_refused_naming_the_owner_and_the_owner_is_not() -> None:
-    owners = gpu_group_owners(gpu_group_claims([OWNER, LATER]))
-    refused = refused_claimants([Tenant.model_validate(LATER), Tenant.model_validate(OWNER)], owners)
-    assert set(refused) == {"thief"}
-    message = refused["thief"]
-    assert "llm-bank/bank" in message and "'bank-h200'" in message
-    assert "Nothing was applied" in message
+BANK_ONLY = {"bank-h200": GroupBinding("llm-bank", "bank")}
+
+
+def _decide(
+    *raw: dict[str, Any],
+    bindings: dict[str, GroupBinding] | None = None,
+    running: tuple[str, ...] = (),
+    claims: tuple[dict[str, Any], ...] = (),
+) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    decided = decide_gpu_group_claims(
+        [Tenant.model_validate(r) for r in raw],
+        gpu_group_claims([*raw, *claims]),
+        BANK_ONLY if bindings is None else bindings,
+        running,
+    )
+    return decided.refused, decided.unbound
+
+
+def test_the_bound_tenant_gets_its_group_even_when_a_squatter_claimed_it_first() -> None:
+    """The squat: a team names the bank's group before the bank does. The binding decides, not the
+    order: the squatter is refused naming the binding and the chart value, the bank is not."""
+    squatter = _raw("thief", "llm-other", "2025-01-01T00:00:00Z")
+    refused, unbound = _decide(OWNER, squatter)
+    assert set(refused) == {"thief"} and unbound == {}
+    reason, message = refused["thief"]
+    assert reason == reasons.GPU_GROUP_IN_USE
+    assert "Tenant llm-bank/bank" in message and "'bank-h200'" in message
+    assert "dedicatedGpuGroups.owners" in message and "Nothing was applied" in message
 
 
 def test_a_same_name_tenant_in_another_namespace_is_not_the_owner() -> None:
-    twin = _raw("bank", "llm-other", "2026-01-02T00:00:00Z")
-    owners = gpu_group_owners(gpu_group_claims([OWNER, twin]))
-    assert set(refused_claimants([Tenant.model_validate(twin)], owners)) == {"bank"}
+    twin = _raw("bank", "llm-other", "2025-01-02T00:00:00Z")
+    assert set(_decide(twin, claims=(OWNER,))[0]) == {"bank"}
+
+
+def test_a_namespace_binding_admits_its_tenants_and_the_oldest_of_them_serves() -> None:
+    first = _raw("bank", "llm-bank", "2026-01-01T00:00:00Z")
+    second = _raw("bank-eu", "llm-bank", "2026-01-03T00:00:00Z")
+    elsewhere = _raw("thief", "llm-other", "2025-01-01T00:00:00Z")
+    refused, _ = _decide(first, second, bindings={"bank-h200": GroupBinding("llm-bank")}, claims=(elsewhere,))
+    assert set(refused) == {"bank-eu"}
+    assert refused["bank-eu"][0] == reasons.GPU_GROUP_IN_USE and "llm-bank/bank " in refused["bank-eu"][1]
+
+
+def test_an_unbound_group_builds_nothing_and_names_the_value_to_set() -> None:
+    refused, unbound = _decide(OWNER, bindings={})
+    assert unbound == {}
+    reason, message = refused["bank"]
+    assert reason == reasons.GPU_GROUP_NOT_BOUND
+    assert "dedicatedGpuGroups.owners.bank-h200=llm-bank/bank" in message
+    assert "Nothing was applied" in message
+
+
+def test_after_an_upgrade_the_running_owner_of_an_unbound_group_keeps_its_pool() -> None:
+    """Groups were not bound before the upgrade: the tenant that owned the group by the old rule (the
+    oldest claimant) and whose pool runs keeps it, with a warning naming the entry to add; a younger
+    claimant, or an owner whose pool does not run, gets nothing."""
+    refused, unbound = _decide(OWNER, LATER, bindings={}, running=("bank", "thief"))
+    assert set(unbound) == {"bank"} and set(refused) == {"thief"}
+    assert "dedicatedGpuGroups.owners.bank-h200=llm-bank/bank" in unbound["bank"]
+    assert "keeps running" in unbound["bank"]
+    assert refused["thief"][0] == reasons.GPU_GROUP_NOT_BOUND
 
 
 def test_non_dedicated_tenants_are_never_refused() -> None:
-    shared = Tenant.model_validate(_raw("startup", "llm", "2027-01-01T00:00:00Z", group=None))
-    assert refused_claimants([shared], gpu_group_owners(gpu_group_claims([OWNER]))) == {}
+    shared = _raw("startup", "llm", "2027-01-01T00:00:00Z", group=None)
+    assert _decide(shared, bindings={}) == ({}, {})
+
+
+def test_the_bindings_parse_from_the_chart_value() -> None:
+    assert parse_gpu_group_owners(None) == {}
+    assert parse_gpu_group_owners("{}") == {}
+    assert parse_gpu_group_owners('{"bank-h200": "llm/bank", "lab-a100": "research"}') == {
+        "bank-h200": GroupBinding("llm", "bank"),
+        "lab-a100": GroupBinding("research"),
+    }
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '["bank-h200"]',
+        '{"bank-h200": "LLM/bank"}',
+        '{"bank-h200": "llm/"}',
+        '{"bank-h200": "/bank"}',
+        '{"Bank": "llm"}',
+        '{"bank-h200": 3}',
+        '{"bank-h200": "llm/bank/x"}',
+    ],
+)
+def test_a_malformed_binding_stops_the_operator(text: str) -> None:
+    with pytest.raises(ValueError, match=r"dedicatedGpuGroups\.owners"):
+        parse_gpu_group_owners(text)
+
+
+def test_the_binding_limits_who_can_own_even_by_age() -> None:
+    """gpu_group_owners with bindings: an older claimant outside the binding never becomes the owner."""
+    squatter = _raw("thief", "llm-other", "2025-01-01T00:00:00Z")
+    owners = gpu_group_owners(gpu_group_claims([squatter, OWNER]), BANK_ONLY)
+    assert owners["bank-h200"].tenant == "llm-bank/bank"
+    assert gpu_group_owners(gpu_group_claims([squatter]), BANK_ONLY) == {}
 
 
 @pytest.mark.parametrize(

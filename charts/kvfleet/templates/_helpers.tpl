@@ -81,37 +81,39 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
   resources: ["modeldeployments/status", "tenants/status"]
   verbs: ["patch"]
 # Children of a ModelDeployment (tenant table, gateway and engine pools, disruption budgets, network
-# policies): listed and watched by the operator's label, applied, and pruned when no longer desired.
+# policies): listed and watched by the operator's label, applied, and pruned when no longer desired; get:
+# an object of a child's name that is not listed as a child is read before any write, to see whose it is
+# (the operator never writes over an object it does not control: NameInUse).
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- if .Values.rbac.monitoring }}
 # (Not watched: an optional API, so the periodic reconcile covers them.)
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "podmonitors"]
-  verbs: ["list", "create", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
 {{- if .Values.rbac.ingress }}
 # Ingresses exposing a gateway (spec.gateway.exposure.ingress); not watched: the periodic reconcile covers
 # them.
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses"]
-  verbs: ["list", "create", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
 {{- if .Values.rbac.httpRoute }}
 # Gateway API HTTPRoutes exposing a gateway (spec.gateway.exposure.httpRoute); not watched either.
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
-  verbs: ["list", "create", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
 # Engine pods: listed (by the engine label) to read each ready one's KV blocks on its metrics port, and
 # deleted (grace period 0, uid precondition) only when one was evicted from a lost node and is stuck

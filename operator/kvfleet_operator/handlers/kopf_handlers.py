@@ -30,6 +30,7 @@ from kopf._cogs.structs.references import Selector  # not re-exported by kopf; d
 from kvfleet_operator import metrics
 from kvfleet_operator.api.common import GROUP, VERSION
 from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
+from kvfleet_operator.build.gpu_groups import parse_gpu_group_owners
 from kvfleet_operator.build.model_deployment import OperatorImages
 from kvfleet_operator.build.network import parse_metrics_scrapers, parse_operator_peer
 from kvfleet_operator.handlers.faults import crash_point
@@ -67,6 +68,9 @@ OPERATOR_PEER_ENV = "KVFLEET_OPERATOR_PEER"
 #: Comma-separated exposure kinds the chart lets the operator manage (``Ingress``, ``HTTPRoute``; chart
 #: values ``rbac.ingress``, ``rbac.httpRoute``); unset: none.
 EXPOSURE_KINDS_ENV = "KVFLEET_EXPOSURE_KINDS"
+#: JSON ``{"<group>": "<namespace>[/<tenant>]"}``: whom the platform bound each dedicated GPU group to
+#: (chart value ``dedicatedGpuGroups.owners``); unset: no group is bound.
+GPU_GROUP_OWNERS_ENV = "KVFLEET_GPU_GROUP_OWNERS"
 
 
 class Coalescer:
@@ -155,6 +159,8 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         ),
         monitoring=monitoring,
         watch_namespaces=tuple(memo.get(MEMO_WATCH_NAMESPACES) or ()),
+        # A malformed binding stops the start-up: a group must never go to someone nobody named.
+        gpu_group_owners=parse_gpu_group_owners(os.environ.get(GPU_GROUP_OWNERS_ENV)),
         # A malformed value stops the start-up with pydantic's message: never a policy nobody asked for.
         metrics_scrapers=parse_metrics_scrapers(os.environ.get(METRICS_SCRAPERS_ENV)),
         # Quotas are admitted against the KV blocks the engines report once they do (their metrics port).

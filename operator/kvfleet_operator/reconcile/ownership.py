@@ -45,6 +45,11 @@ def _controller_uid(obj: Mapping[str, Any]) -> str | None:
     return str(ref.get("uid") or "") or None if ref is not None else None
 
 
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether ``obj``'s controller owner reference has ``uid`` (never for an empty ``uid``)."""
+    return bool(uid) and _controller_uid(obj) == uid
+
+
 def controlled_by_same_owner(desired: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
     """Whether ``live`` is controlled by the owner ``desired`` names (same uid): the operator may write it."""
     want = _controller_uid(desired)

@@ -281,9 +281,11 @@ def compute_tenant_status(
     now: str,
     keys: KeyResolution | None = None,
     placement: str | None = None,
+    warning: ConditionUpdate | None = None,
 ) -> Obj:
     """``problem`` (a dependency or spec issue) wins; else admission; else readiness of its pool
-    (``placement``: why no node can run its dedicated pool).
+    (``placement``: why no node can run its dedicated pool). ``warning``: a ``Degraded`` condition of an
+    admitted tenant that is still served (its GPU group not bound yet), unless something worse degrades it.
 
     ``admittedQuota`` is what admission decided; without a decision (the ModelDeployment cannot be served
     now) it stays what it was. ``keys`` gives the fingerprints of the keys that serve the tenant.
@@ -302,6 +304,8 @@ def compute_tenant_status(
         updates = failed(reason, decision.message if decision else "Not admitted.")
     else:
         updates = _admitted_conditions(decision, pool_ready, endpoint, api_key_secret, placement)
+        if warning is not None and not any(u.type == DEGRADED and u.status == "True" for u in updates):
+            updates = [u for u in updates if u.type != DEGRADED] + [warning]
     if decision is not None and decision.quota is not None and capacity is not None:
         q = decision.quota
         resolved = ResolvedQuota(
@@ -416,13 +420,15 @@ def compute_served_statuses(
     exposure: str | None = None,
     engine: EngineCapacity | None = None,
     capacity_note: str | None = None,
+    tenant_warnings: Mapping[str, ConditionUpdate] | None = None,
 ) -> list[StatusWrite]:
     """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
     ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
     ``placement``: pool -> why no node can run its engine pods (``NoMatchingNodes`` on the
     ModelDeployment for the shared pool, on the owning Tenant for a dedicated one). ``exposure``: why the
     Ingress or HTTPRoute is not created (``ExposureUnavailable`` on the ModelDeployment). ``engine`` and
-    ``capacity_note``: see :func:`compute_model_deployment_status`.
+    ``capacity_note``: see :func:`compute_model_deployment_status`. ``tenant_warnings``: tenant ->
+    its ``Degraded`` condition while it is served (:func:`compute_tenant_status`'s ``warning``).
 
     A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
     every other tenant its full status, with the fingerprints of its keys (``keys``). While the
@@ -480,6 +486,7 @@ def compute_served_statuses(
             now,
             keys.get(tname),
             placement.get(decision.pool) if decision is not None and decision.pool != SHARED_POOL else None,
+            (tenant_warnings or {}).get(tname),
         )
         writes.append(StatusWrite(kinds.TENANT, raw, status))
     return writes
