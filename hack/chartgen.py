@@ -215,11 +215,25 @@ label restriction, so the selector limits what the operator reads, not what the 
 With `dedicatedGpuGroups.admissionPolicy` (the default) the chart ships two ValidatingAdmissionPolicies
 and their bindings (Kubernetes 1.30+), enforced by the API server itself: a pod that tolerates or selects
 a dedicated GPU group (`kvfleet.io/gpu-group`) is refused unless the StatefulSet controller creates it
-with the labels of a kvfleet dedicated engine pod, and a Deployment, ReplicaSet, StatefulSet, DaemonSet
-or Job whose pods would do so is refused unless the operator's ServiceAccount creates or changes it. The
-operator builds pods there only for the group's owner. The namespaces in
-`dedicatedGpuGroups.exemptNamespaces` (`kube-system`) are left alone for node agents; add the namespaces
-of your other node agents (device plugin, node exporters) there.
+with the labels of a kvfleet dedicated engine pod (and such a pod takes no ephemeral container), and a
+workload of any kind with a pod template (Deployment, ReplicaSet, StatefulSet, DaemonSet, Job, CronJob,
+ReplicationController, PodTemplate) whose pods would do so, or would wear those labels, is refused unless
+the operator's ServiceAccount creates or changes it. The operator builds pods there only for the group's
+owner. The namespaces in `dedicatedGpuGroups.exemptNamespaces` (`kube-system`) are left alone for node
+agents; add the namespaces of your other node agents (device plugin, node exporters) there. The pod
+creators are per-controller identities: kube-controller-manager must run with
+`--use-service-account-credentials` (kubeadm's and managed clusters' default).
+
+## Reserved labels
+
+kvfleet's Services, EndpointSlices (and so DNS), NetworkPolicies and monitors select its pods by label.
+With `reservedLabels.admissionPolicy` (the default) two more ValidatingAdmissionPolicies, bound to the
+watched namespaces, keep every other pod from wearing those labels (`app.kubernetes.io/name=kvfleet`,
+`app.kubernetes.io/managed-by=kvfleet-operator`, any `kvfleet.io/` key but `kvfleet.io/metrics-scraper`):
+only the StatefulSet and ReplicaSet controllers (`reservedLabels.podCreators`) create such pods, only
+the operator's ServiceAccount (and the Deployment controller, `reservedLabels.workloadCreators`) such
+workloads, no update adds or changes them, and no such pod takes an ephemeral container. Editing the
+pod template of kvfleet's own workloads by hand is refused too (the operator would revert it anyway).
 
 The operator keeps the master key every ModelDeployment's cache salts derive from in the Secret
 `<release>-salt-master` of the release namespace (`KVFLEET_SALT_SECRET`); it creates it on first start.

@@ -29,12 +29,15 @@ def test_the_operator_reads_the_blocks_vllm_allocated_on_the_pods_metrics_port(
     pod = launched_engine
     md = ModelDeployment.model_validate(load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid"))
     planned = compute_pool_capacity(md)
-    # The engine pod as the API server lists it: Ready, with its IP.
+    # The engine pod as the API server lists it: Ready, with its IP, controlled by the pool's StatefulSet.
+    owner = [{"kind": "StatefulSet", "name": "tiny-engine-shared", "uid": "sts-uid", "controller": True}]
     listed = {
-        "metadata": {"name": "tiny-engine-shared-0", "uid": "pod-uid-0"},
+        "metadata": {"name": "tiny-engine-shared-0", "uid": "pod-uid-0", "ownerReferences": owner},
         "status": {"podIP": pod.address, "conditions": [{"type": "Ready", "status": "True"}]},
     }
-    targets = engine_metrics_targets([listed], port=pod.ports["--plugin-metrics-port"])
+    md_ref = [{"kind": "ModelDeployment", "name": "tiny", "uid": "md-uid", "controller": True}]
+    pool = {"metadata": {"name": "tiny-engine-shared", "uid": "sts-uid", "ownerReferences": md_ref}}
+    targets = engine_metrics_targets([listed], [pool], "md-uid", port=pod.ports["--plugin-metrics-port"])
     assert [t.url for t in targets] == [pod.url("--plugin-metrics-port") + "/metrics"]
 
     read = asyncio.run(EngineCapacityReader(timeout_s=20).read(targets))

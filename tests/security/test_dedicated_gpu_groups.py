@@ -274,21 +274,49 @@ def _copy_of(obj: dict[str, Any], name: str, namespace: str) -> dict[str, Any]:
     return doc
 
 
-def _workload(kind: str, namespace: str, pod_spec: dict[str, Any]) -> dict[str, Any]:
-    labels = {"app": "intruder"}
+def _workload(
+    kind: str, namespace: str, pod_spec: dict[str, Any], labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A workload of ``kind`` whose pods run ``pod_spec``: every kind that keeps a pod template."""
+    labels = labels or {"app": "intruder"}
     template = {"metadata": {"labels": labels}, "spec": pod_spec}
     spec: dict[str, Any] = {"template": template}
-    if kind != "Job":
-        spec["selector"] = {"matchLabels": labels}
-    else:
+    api = {"Job": "batch/v1", "CronJob": "batch/v1", "ReplicationController": "v1", "PodTemplate": "v1"}
+    if kind in {"Job", "CronJob"}:
         template["spec"] = {**pod_spec, "restartPolicy": "Never"}
-    api = "batch/v1" if kind == "Job" else "apps/v1"
-    return {
-        "apiVersion": api,
+    elif kind == "ReplicationController":
+        spec["selector"] = labels
+    elif kind != "PodTemplate":
+        spec["selector"] = {"matchLabels": labels}
+    if kind == "StatefulSet":
+        spec["serviceName"] = "intruder"
+    doc: dict[str, Any] = {
+        "apiVersion": api.get(kind, "apps/v1"),
         "kind": kind,
         "metadata": {"name": "intruder", "namespace": namespace},
-        "spec": spec,
     }
+    if kind == "CronJob":
+        doc["spec"] = {"schedule": "0 0 1 1 *", "jobTemplate": {"spec": spec}}
+    elif kind == "PodTemplate":
+        doc["template"] = template
+    else:
+        doc["spec"] = spec
+    return doc
+
+
+def _pod_spec_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec a pod or workload document runs (the path each kind keeps its template under)."""
+    kind = doc["kind"]
+    spec: dict[str, Any]
+    if kind == "Pod":
+        spec = doc["spec"]
+    elif kind == "PodTemplate":
+        spec = doc["template"]["spec"]
+    elif kind == "CronJob":
+        spec = doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    else:
+        spec = doc["spec"]["template"]["spec"]
+    return spec
 
 
 #: Each attack: (what it is, the object it creates, the policy that must refuse it). The thief's
@@ -338,15 +366,41 @@ ATTACKS: dict[str, Callable[[Setup], tuple[dict[str, Any], str]]] = {
         _workload("Job", s.thief_ns, _probe_pod(s.thief_ns, nodeSelector={GROUP_KEY: GROUP})["spec"]),
         WORKLOAD_POLICY,
     ),
+    # Issue 23, hole 10: the kinds the workload policy once left to the pod policy alone.
+    "replicationcontroller-tolerating-the-group": lambda s: (
+        _workload(
+            "ReplicationController",
+            s.thief_ns,
+            _probe_pod(s.thief_ns, tolerations=[_group_toleration()])["spec"],
+        ),
+        WORKLOAD_POLICY,
+    ),
+    "cronjob-selecting-the-group": lambda s: (
+        _workload("CronJob", s.thief_ns, _probe_pod(s.thief_ns, nodeSelector={GROUP_KEY: GROUP})["spec"]),
+        WORKLOAD_POLICY,
+    ),
+    "podtemplate-tolerating-the-group": lambda s: (
+        _workload(
+            "PodTemplate", s.thief_ns, _probe_pod(s.thief_ns, tolerations=[_group_toleration()])["spec"]
+        ),
+        WORKLOAD_POLICY,
+    ),
 }
 
 
 def _without_group(doc: dict[str, Any]) -> dict[str, Any]:
-    """The same object with everything that reaches a group removed: what the policies must let through."""
+    """The same object with everything that reaches a group removed: what the policies must let through.
+    A workload's template also loses the dedicated pool label (it becomes the shared pool's), the label the
+    pod policy lets onto a group."""
     benign = copy.deepcopy(doc)
-    spec = benign["spec"] if benign["kind"] == "Pod" else benign["spec"]["template"]["spec"]
+    spec = _pod_spec_of(benign)
     for key in ("tolerations", "nodeSelector", "affinity"):
         spec.pop(key, None)
+    if benign["kind"] in {"StatefulSet", "Deployment", "ReplicaSet", "DaemonSet"}:
+        template_labels = benign["spec"]["template"]["metadata"].get("labels", {})
+        for labels in (template_labels, benign["spec"]["selector"].get("matchLabels", {})):
+            if str(labels.get("kvfleet.io/pool", "")).startswith("dedicated-"):
+                labels["kvfleet.io/pool"] = "shared"
     return benign
 
 
@@ -378,6 +432,94 @@ def test_adding_a_toleration_to_a_pending_pod_is_refused(owner: Setup) -> None:
     assert status == 403 and _refused_by(body, POD_POLICY), (status, body)
     label = {"metadata": {"labels": {"touched": "yes"}}}
     assert s.plane.request("PATCH", path, label, content_type="application/merge-patch+json")[0] == 200
+
+
+def _events_about(plane: ControlPlane, namespace: str, kind: str, name: str) -> list[str]:
+    items = get(
+        plane,
+        f"/api/v1/namespaces/{namespace}/events?fieldSelector=involvedObject.kind={kind},"
+        f"involvedObject.name={name}",
+    )["items"]
+    return [str(e.get("message", "")) for e in items]
+
+
+def test_a_user_statefulset_dressed_as_a_dedicated_engine_pool_is_refused(owner: Setup) -> None:
+    """Attack (issue 23, hole 10): a StatefulSet whose template wears the labels of the bank's engine pods
+    and neither tolerates nor selects the group itself: a RuntimeClass adds the toleration to each pod
+    after every check of the template (``scheduling.tolerations``, merged by the API server's RuntimeClass
+    admission; a mutating webhook does the same). Its pods would be created by the StatefulSet controller
+    with the dedicated labels, which the pod policy lets onto the group. The workload policy refuses the
+    dressed StatefulSet; the same StatefulSet under its own labels is admitted, and the pods the controller
+    then tries to create, tolerations added, are refused by the pod policy (the controller's event)."""
+    s = owner
+    runtime_class = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": "intruder-gpu"},
+        "handler": "runc",
+        "scheduling": {"tolerations": [_group_toleration()]},
+    }
+    status, body = s.plane.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", runtime_class)
+    assert status == 201, body
+    try:
+        pod_spec = {**_probe_pod(s.thief_ns)["spec"], "runtimeClassName": "intruder-gpu"}
+        dressed_labels = _owner_sts(s)["spec"]["template"]["metadata"]["labels"]
+        dressed = _workload("StatefulSet", s.thief_ns, pod_spec, labels=dict(dressed_labels))
+        status, body = _post(s.plane, dressed)
+        assert status == 403 and _refused_by(body, WORKLOAD_POLICY), (status, body)
+
+        plain = _workload("StatefulSet", s.thief_ns, pod_spec)
+        status, body = _post(s.plane, plain)
+        assert status == 201, body
+        wait_for(
+            lambda: any(
+                f"ValidatingAdmissionPolicy '{POD_POLICY}'" in m
+                for m in _events_about(s.plane, s.thief_ns, "StatefulSet", "intruder")
+            ),
+            timeout=60,
+            what="the controller's pod, given the group's toleration by the RuntimeClass, refused",
+        )
+        assert _status(s.plane, f"/api/v1/namespaces/{s.thief_ns}/pods/intruder-0") == 404
+    finally:
+        s.plane.request("DELETE", f"/apis/apps/v1/namespaces/{s.thief_ns}/statefulsets/intruder")
+        s.plane.request("DELETE", "/apis/node.k8s.io/v1/runtimeclasses/intruder-gpu")
+
+
+def _ephemeral_patch(target: str) -> dict[str, Any]:
+    debugger = {
+        "name": "debugger",
+        "image": "busybox:1",
+        "targetContainerName": target,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    return {"spec": {"ephemeralContainers": [debugger]}}
+
+
+def test_an_ephemeral_container_in_the_owners_engine_pod_is_refused(owner: Setup) -> None:
+    """Attack (issue 23, hole 10): ``kubectl debug`` on the bank's engine pod, an update of its
+    ``pods/ephemeralcontainers`` subresource, which the pod policy once did not match: foreign code in the
+    pod that holds the tenant's KV cache, sharing its network (loopback LMCache, ``/debug/kv``) and, with a
+    target container, its processes. The API server refuses it; the same debug container in an ordinary pod
+    is admitted (so the policy is what refused it)."""
+    s = owner
+    name = f"{MD}-dedicated-bank-engine-0"
+    wait_for(
+        lambda: _status(s.plane, f"/api/v1/namespaces/{s.owner_ns}/pods/{name}") == 200,
+        timeout=90,
+        what="the bank's engine pod",
+    )
+    target = _owner_pod(s)["spec"]["containers"][0]["name"]
+    strategic = "application/strategic-merge-patch+json"
+    path = f"/api/v1/namespaces/{s.owner_ns}/pods/{name}/ephemeralcontainers"
+    status, body = s.plane.request("PATCH", path, _ephemeral_patch(target), content_type=strategic)
+    assert status == 403 and _refused_by(body, POD_POLICY), (status, body)
+    assert not _owner_pod(s)["spec"].get("ephemeralContainers")
+
+    status, body = _post(s.plane, _probe_pod(s.thief_ns, "debuggable"))
+    assert status == 201, body
+    path = f"/api/v1/namespaces/{s.thief_ns}/pods/debuggable/ephemeralcontainers"
+    status, body = s.plane.request("PATCH", path, _ephemeral_patch("c"), content_type=strategic)
+    assert status == 200, body
 
 
 @pytest.mark.parametrize(

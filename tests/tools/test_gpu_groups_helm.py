@@ -35,7 +35,11 @@ def _render_policies(*args: str) -> list[dict[str, Any]]:
     )
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    return [d for d in docs if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    return [
+        d
+        for d in docs
+        if d["kind"].startswith("ValidatingAdmissionPolicy") and "-dedicated-gpu-" in d["metadata"]["name"]
+    ]
 
 
 def test_the_policies_name_the_labels_and_identities_the_operator_uses() -> None:

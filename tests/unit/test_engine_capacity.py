@@ -41,10 +41,34 @@ def _md(name: str = "modeldeployment-qwen72b.yaml") -> ModelDeployment:
     return ModelDeployment.model_validate(_doc(name))
 
 
+#: The ModelDeployment's engine StatefulSet (controlled by it), whose pods the operator reads.
+POOL = {
+    "metadata": {
+        "name": "qwen72b-engine",
+        "uid": "sts-uid",
+        "ownerReferences": [
+            {"kind": "ModelDeployment", "name": "qwen72b", "uid": "md-uid", "controller": True}
+        ],
+    }
+}
+
+
+def _controlled_by(kind: str, uid: str, controller: bool = True) -> list[dict[str, Any]]:
+    return [{"apiVersion": "apps/v1", "kind": kind, "name": "x", "uid": uid, "controller": controller}]
+
+
 def _pod(
-    name: str, ip: str | None = "10.0.0.1", ready: bool = True, deleting: bool = False
+    name: str,
+    ip: str | None = "10.0.0.1",
+    ready: bool = True,
+    deleting: bool = False,
+    owners: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}"}
+    meta: dict[str, Any] = {
+        "name": name,
+        "uid": f"uid-{name}",
+        "ownerReferences": _controlled_by("StatefulSet", "sts-uid") if owners is None else owners,
+    }
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
@@ -83,11 +107,36 @@ def test_only_ready_pods_with_an_ip_that_stay_are_read() -> None:
         _pod("leaving", deleting=True),
         _pod("v6", ip="fd00::7"),
     ]
-    assert engine_metrics_targets(pods) == [
+    assert engine_metrics_targets(pods, [POOL], "md-uid") == [
         MetricsTarget("uid-e-0", "e-0", f"http://10.0.0.2:{PLUGIN_METRICS_PORT}/metrics"),
         MetricsTarget("uid-e-1", "e-1", f"http://10.0.0.1:{PLUGIN_METRICS_PORT}/metrics"),
         MetricsTarget("uid-v6", "v6", f"http://[fd00::7]:{PLUGIN_METRICS_PORT}/metrics"),
     ]
+
+
+def test_only_pods_the_model_deployments_statefulsets_control_are_read() -> None:
+    """Issue 23, hole 5: a Ready pod wearing the engine labels (the LIST's label selector matches it) but
+    not created by the ModelDeployment's StatefulSet is never read: its figure (one block) would shrink the
+    pool's capacity. Ownership is by UID: a look-alike StatefulSet of the same name that the
+    ModelDeployment does not control, a non-controller reference, another kind, count for nothing."""
+    foreign_pool = {
+        "metadata": {
+            "name": "qwen72b-engine",
+            "uid": "other-sts",
+            "ownerReferences": _controlled_by("ModelDeployment", "someone-else"),
+        }
+    }
+    pods = [
+        _pod("e-0"),
+        _pod("impostor", owners=[]),
+        _pod("adopted-by-reference", owners=_controlled_by("StatefulSet", "sts-uid", controller=False)),
+        _pod("from-a-look-alike", owners=_controlled_by("StatefulSet", "other-sts")),
+        _pod("from-a-replicaset", owners=_controlled_by("ReplicaSet", "sts-uid")),
+    ]
+    assert [t.pod for t in engine_metrics_targets(pods, [POOL, foreign_pool], "md-uid")] == ["e-0"]
+    # Without the ModelDeployment's StatefulSets (or its UID) nothing is read: the estimate stands.
+    assert engine_metrics_targets(pods, [foreign_pool], "md-uid") == []
+    assert engine_metrics_targets(pods, [POOL], "") == []
 
 
 # --- which figure admission counts on ------------------------------------------------------------------

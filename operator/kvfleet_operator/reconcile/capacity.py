@@ -8,9 +8,11 @@ are admitted against the reported figure; before, against the estimate.
 
 How the figure travels (the shell: ``handlers/reconcile.read_engine_capacity`` and
 ``k8s/engine_metrics.py``): the operator reads ``GET /metrics`` on each ready engine pod's metrics port,
-where the engine plugin re-exports vLLM's series. Engine pods carry no ServiceAccount token, so they cannot
-write the figure anywhere in the API themselves; the metrics port serves no inference API and the engine
-NetworkPolicy admits the operator's pods there and on no other port (``build/network.OperatorPeer``). A
+where the engine plugin re-exports vLLM's series, and only on pods the ModelDeployment's StatefulSets
+own (``owned_engine_pods``: by controller reference UID, not by label). Engine pods carry no
+ServiceAccount token, so they cannot write the figure anywhere in the API themselves; the metrics port
+serves no inference API and the engine NetworkPolicy admits the operator's pods there and on no other port
+(``build/network.OperatorPeer``). A
 pod's figure never changes while it lives (vLLM allocates once, at start), so the shell reads each pod once
 (by UID) and a converged resync neither reads an engine again nor writes anything.
 
@@ -65,15 +67,50 @@ def _is_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def _controller_uid(obj: Mapping[str, Any], kind: str) -> str | None:
+    """The UID of ``obj``'s controller (the owner reference marked ``controller``) when it is a ``kind``.
+    (``reconcile/ownership.py`` reads the same reference; it imports ``status``, which imports this.)"""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref["uid"]) if ref.get("kind") == kind and ref.get("uid") else None
+    return None
+
+
+def owned_engine_pods(
+    pods: Sequence[Mapping[str, Any]], statefulsets: Sequence[Mapping[str, Any]], model_deployment_uid: str
+) -> list[Mapping[str, Any]]:
+    """The pods whose controller is one of the ModelDeployment's StatefulSets (each controlled by the
+    ModelDeployment), matched by UID, never by name or label.
+
+    Labels select the candidates (one LIST), but anyone who may create a pod in the namespace can wear
+    them: a Ready pod with the engine labels that reported one KV block would otherwise shrink the pool's
+    capacity and withdraw its tenants' admission (issue 23, hole 5). A pod's controller reference is set
+    by the StatefulSet controller; the chart's reserved-labels policy keeps any other creator from wearing
+    the labels in the first place."""
+    if not model_deployment_uid:
+        return []
+    owners = {
+        str(s["metadata"]["uid"])
+        for s in statefulsets
+        if (s.get("metadata") or {}).get("uid")
+        and _controller_uid(s, "ModelDeployment") == model_deployment_uid
+    }
+    return [p for p in pods if _controller_uid(p, "StatefulSet") in owners]
+
+
 def engine_metrics_targets(
-    pods: Sequence[Mapping[str, Any]], port: int = PLUGIN_METRICS_PORT
+    pods: Sequence[Mapping[str, Any]],
+    statefulsets: Sequence[Mapping[str, Any]],
+    model_deployment_uid: str,
+    port: int = PLUGIN_METRICS_PORT,
 ) -> list[MetricsTarget]:
-    """The metrics URL of every engine pod that is Ready, has an IP and is not being deleted, by name.
+    """The metrics URL of every engine pod of the ModelDeployment's StatefulSets (``owned_engine_pods``)
+    that is Ready, has an IP and is not being deleted, by name.
 
     Only ready pods: vLLM serves ``/metrics`` before its profiling run is done (the figure is empty then),
     and a pod on its way out says nothing about the pool that stays."""
     targets: list[MetricsTarget] = []
-    for pod in pods:
+    for pod in owned_engine_pods(pods, statefulsets, model_deployment_uid):
         meta = pod.get("metadata") or {}
         ip = (pod.get("status") or {}).get("podIP")
         if not ip or meta.get("deletionTimestamp") or not _is_ready(pod):
