@@ -17,6 +17,7 @@ under ``WORKDIR`` (25 GB with ``--warm-images``).
     .venv/bin/python benchmarks/ci_cold.py parse LOG [--results PATH]     # the figures of a logged run
     .venv/bin/python benchmarks/ci_cold.py parse LOG --command "CI=true .ci/run"  # a log made another way
     .venv/bin/python benchmarks/ci_cold.py run WORKDIR --demo  # `make demo` instead: demo_cold.json
+    .venv/bin/python benchmarks/ci_cold.py run WORKDIR --in-place  # empties this machine's own caches first
 
 With ``--demo`` the command is a newcomer's ``make demo`` on the same empty caches (results
 ``demo_cold``): besides the provisioning figures, ``until_report_s`` (first line to the line
@@ -220,6 +221,37 @@ def _cold_env(workdir: Path, warm_images: bool) -> dict[str, str]:
     return env
 
 
+def _machine_caches() -> list[Path]:
+    """The folders the project fills on this machine, at their own places (what ``--in-place`` empties):
+    ``$KVFLEET_CACHE``, Go's module and build caches, pip's cache, vLLM's, torch's and Hugging Face's."""
+    home_cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    found = [Path(os.environ.get("KVFLEET_CACHE", home_cache / "kvfleet"))]
+    for var in ("GOMODCACHE", "GOCACHE"):
+        done = subprocess.run(["go", "env", var], capture_output=True, text=True, check=False)
+        if done.returncode == 0 and done.stdout.strip():
+            found.append(Path(done.stdout.strip()))
+    found += [home_cache / name for name in ("pip", "vllm", "torch", "huggingface")]
+    return found
+
+
+def empty_machine_caches() -> list[str]:
+    """Make this machine a fresh one for the project (``--in-place``): delete every cache it fills and
+    podman's image store (``podman system reset``); the Debian packages and the tools stay. What was
+    deleted, for the log. Destructive: for a machine that exists to be measured."""
+    deleted: list[str] = []
+    for path in _machine_caches():
+        if path.exists():
+            subprocess.run(["chmod", "-R", "u+w", str(path)], check=False)  # Go's module cache is read-only
+            subprocess.run(["rm", "-rf", str(path)], check=True)
+            deleted.append(str(path))
+    if (
+        subprocess.run(["podman", "system", "reset", "--force"], capture_output=True, check=False).returncode
+        == 0
+    ):
+        deleted.append("podman's image store")
+    return deleted
+
+
 def _warm_env() -> dict[str, str]:
     """The machine's own caches (a provisioned machine): only CI=true and no opt-out."""
     env = dict(os.environ, CI="true")
@@ -228,19 +260,22 @@ def _warm_env() -> dict[str, str]:
 
 
 def run_cold(
-    workdir: Path, warm_images: bool = False, warm: bool = False, demo: bool = False
+    workdir: Path, warm_images: bool = False, warm: bool = False, demo: bool = False, in_place: bool = False
 ) -> tuple[Path, int]:
     """Clone HEAD into ``workdir/repo``, run ``.ci/run`` (with ``demo``: ``make demo``) there on empty
-    caches (with ``warm``: on the machine's own caches, as on a provisioned machine); the log and exit
-    status."""
+    caches under ``workdir`` (with ``warm``: on the machine's own caches, as on a provisioned machine; with
+    ``in_place``: on the machine's own caches emptied first, which leaves the machine provisioned again and
+    needs no room for a second copy); the log and exit status."""
     if workdir.exists() and any(workdir.iterdir()):
         raise SystemExit(f"{workdir} is not empty: give a new folder (every cache under it must start empty)")
     workdir.mkdir(parents=True, exist_ok=True)
     repo = workdir / "repo"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(repo)], check=True)
     log = workdir / "log"
-    env = _warm_env() if warm else _cold_env(workdir, warm_images)
-    if not warm:
+    if in_place:
+        print("emptied:", ", ".join(empty_machine_caches()) or "nothing", flush=True)
+    env = _warm_env() if warm or in_place else _cold_env(workdir, warm_images)
+    if not warm and not in_place:
         Path(env["XDG_CACHE_HOME"]).mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -281,6 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"run `make demo` instead of .ci/run; results named {DEMO_NAME} "
         f"(benchmarks/results/{DEMO_NAME}.json)",
     )
+    run_p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="empty this machine's own caches and podman's store first and run on them (a fresh machine "
+        "without room for a second copy of the caches; the machine ends provisioned again). Destructive",
+    )
     parse_p = sub.add_parser("parse", help="the figures of a log written by 'run'")
     parse_p.add_argument("log", type=Path)
     parse_p.add_argument("--exit-status", type=int, default=None, help="the run's exit status, if known")
@@ -303,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if demo and args.results == default_path(NAME):
         args.results = default_path(DEMO_NAME)
     if args.command == "run":
-        log, status = run_cold(args.workdir, args.warm_images, warm, demo)
+        log, status = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place)
     else:
         log, status = args.log, args.exit_status
     run = parse_log(log.read_text().splitlines())
@@ -311,9 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if status is not None:
         details["exit_status"] = status
     command = ".venv/bin/python benchmarks/ci_cold.py run WORKDIR" + (" --warm" if warm else "")
-    command += (" --warm-images" if args.command == "run" and args.warm_images else "") + (
-        " --demo" if demo else ""
-    )
+    if args.command == "run":
+        command += " --warm-images" if args.warm_images else ""
+        command += " --in-place" if args.in_place else ""
+    command += " --demo" if demo else ""
     if args.command == "parse" and args.command_run:
         command = args.command_run
     if args.command == "run":
