@@ -244,10 +244,8 @@ def empty_machine_caches() -> list[str]:
             subprocess.run(["chmod", "-R", "u+w", str(path)], check=False)  # Go's module cache is read-only
             subprocess.run(["rm", "-rf", str(path)], check=True)
             deleted.append(str(path))
-    if (
-        subprocess.run(["podman", "system", "reset", "--force"], capture_output=True, check=False).returncode
-        == 0
-    ):
+    reset = subprocess.run(["podman", "system", "reset", "--force"], capture_output=True, check=False)
+    if reset.returncode == 0:
         deleted.append("podman's image store")
     return deleted
 
