@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -29,8 +29,18 @@ from typing import Any, Final
 from kvfleet_operator import metrics
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.api.units import parse_duration
-from kvfleet_operator.build.common import LABEL_TENANT, SHARED_POOL, owned_selector, selector_labels
-from kvfleet_operator.build.gpu_groups import gpu_group_claims, gpu_group_owners, refused_claimants
+from kvfleet_operator.build.common import (
+    LABEL_TENANT,
+    SHARED_POOL,
+    engine_name,
+    owned_selector,
+    selector_labels,
+)
+from kvfleet_operator.build.gpu_groups import (
+    GroupBinding,
+    decide_gpu_group_claims,
+    gpu_group_claims,
+)
 from kvfleet_operator.build.keys import (
     KeyResolution,
     build_api_key_secret,
@@ -44,7 +54,12 @@ from kvfleet_operator.build.keys import (
 )
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children, compute_endpoint
 from kvfleet_operator.build.network import MetricsScrapers, OperatorPeer
-from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admit_tenants
+from kvfleet_operator.build.tenant_table import (
+    PoolCapacity,
+    TenantDecision,
+    admit_tenants,
+    dedicated_pool_name,
+)
 from kvfleet_operator.handlers.faults import crash_point
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, KubeClient
@@ -58,7 +73,7 @@ from kvfleet_operator.reconcile.capacity import (
     engine_metrics_targets,
     explain_capacity_below_plan,
 )
-from kvfleet_operator.reconcile.conditions import ConditionUpdate, now_rfc3339
+from kvfleet_operator.reconcile.conditions import DEGRADED, ConditionUpdate, now_rfc3339
 from kvfleet_operator.reconcile.node_loss import (
     ENGINE_POD_REPLACED,
     ENGINE_POD_STUCK_ON_LOST_NODE,
@@ -68,6 +83,7 @@ from kvfleet_operator.reconcile.node_loss import (
 )
 from kvfleet_operator.reconcile.ownership import (
     NameCollision,
+    controlled_by,
     find_collision,
     name_in_use_problem,
     owned_children,
@@ -90,6 +106,9 @@ class OperatorConfig:
     monitoring: bool = False
     #: The namespaces the operator watches; empty: all. Dedicated GPU groups are owned across them.
     watch_namespaces: tuple[str, ...] = ()
+    #: Whom the platform bound each dedicated GPU group to (chart value ``dedicatedGpuGroups.owners``,
+    #: ``KVFLEET_GPU_GROUP_OWNERS``; ``build/gpu_groups.py``). A group missing here serves no new pool.
+    gpu_group_owners: Mapping[str, GroupBinding] = field(default_factory=dict)
     #: Who the NetworkPolicies admit to the metrics ports (chart value ``metricsScrapers``).
     metrics_scrapers: MetricsScrapers = field(default_factory=MetricsScrapers)
     #: The exposure kinds (Ingress, HTTPRoute) the chart lets the operator manage (``rbac.ingress``,
@@ -139,6 +158,8 @@ class Cycle:
     key_refused: list[Tenant] = field(default_factory=list)
     #: Why a tenant is left out before admission (invalid spec, missing API key Secret).
     tenant_problems: dict[str, ConditionUpdate] = field(default_factory=dict)
+    #: What degrades a tenant that is still served (``Degraded``: its GPU group is not bound yet).
+    tenant_warnings: dict[str, ConditionUpdate] = field(default_factory=dict)
     keys: dict[str, KeyResolution] = field(default_factory=dict)
     #: The figure quotas are admitted against: the engines' own once one reported (``read_engine_capacity``).
     capacity: PoolCapacity | None = None
@@ -205,17 +226,35 @@ async def parse_tenants(client: KubeClient, c: Cycle) -> None:
 
 
 async def claim_gpu_groups(client: KubeClient, c: Cycle) -> None:
-    """A dedicated GPU group serves one Tenant, the oldest naming it in any watched namespace
-    (``build/gpu_groups.py``): any other claimant is left out, with ``GpuGroupInUse`` naming the owner."""
+    """A dedicated GPU group serves the Tenant the platform bound it to (``build/gpu_groups.py``): any other
+    claimant is left out, with ``GpuGroupInUse`` naming the binding, or ``GpuGroupNotBound`` naming the
+    chart value to set. On a group nobody bound yet (an upgrade), the pool that already runs keeps running,
+    ``Degraded``."""
     if not any(t.spec.dedicated for t in c.tenants):
         return  # only a ModelDeployment with a dedicated tenant needs the cluster-wide view
     listed: list[Obj] = []
     for namespace in c.config.watch_namespaces or (None,):
         listed += await client.list(kinds.TENANT, namespace)
-    owners = gpu_group_owners(gpu_group_claims([*listed, *c.raw_tenants.values()]))
-    refused = refused_claimants(c.tenants, owners)
-    c.tenants = [t for t in c.tenants if str(t.metadata["name"]) not in refused]
-    c.tenant_problems |= {name: st.problem(reasons.GPU_GROUP_IN_USE, why) for name, why in refused.items()}
+    bindings = c.config.gpu_group_owners
+    running: list[str] = []
+    for t in c.tenants:  # only on an unbound group (an upgrade): does its pool run already?
+        if t.spec.dedicated is None or t.spec.dedicated.gpu_group in bindings:
+            continue
+        name = str(t.metadata["name"])
+        pool = await client.get(
+            kinds.STATEFUL_SET, engine_name(c.name, dedicated_pool_name(name)), c.namespace
+        )
+        if pool is not None and controlled_by(pool, str(t.metadata.get("uid") or "")):
+            running.append(name)
+    decided = decide_gpu_group_claims(
+        c.tenants, gpu_group_claims([*listed, *c.raw_tenants.values()]), bindings, running
+    )
+    c.tenants = [t for t in c.tenants if str(t.metadata["name"]) not in decided.refused]
+    c.tenant_problems |= {name: st.problem(*why) for name, why in decided.refused.items()}
+    c.tenant_warnings |= {
+        name: ConditionUpdate(DEGRADED, "True", reasons.GPU_GROUP_NOT_BOUND, why)
+        for name, why in decided.unbound.items()
+    }
 
 
 async def resolve_keys(client: KubeClient, c: Cycle) -> None:
@@ -495,6 +534,7 @@ async def compute_status(client: KubeClient, c: Cycle) -> None:
         " ".join(c.withheld.values()) or None,
         c.engine,
         _capacity_note(c),
+        c.tenant_warnings,
     )
 
 
