@@ -1043,7 +1043,22 @@ class Gateway:
             upstream.close()  # the client left while the engine was starting its answer
             return out, "cancelled"
         started.append(out)
-        _fail_stream_when_closed(upstream)
+        forget_close = _fail_stream_when_closed(upstream)
+        try:
+            return await self._relay_events(out, upstream, prepared, usage, series, arrived, pool)
+        finally:
+            forget_close()
+
+    async def _relay_events(
+        self,
+        out: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        prepared: PreparedRequest,
+        usage: _UsageTracker,
+        series: RequestSeries,
+        arrived: float,
+        pool: str,
+    ) -> tuple[web.StreamResponse, str]:
         ttft = series.ttft
         itl = series.itl
         last: float | None = None
@@ -1084,27 +1099,44 @@ class Gateway:
         return out, "ok"
 
 
-def _fail_stream_when_closed(upstream: aiohttp.ClientResponse) -> None:
-    """Make the answer's body fail if its connection closes before the body ended.
+def _fail_stream_when_closed(upstream: aiohttp.ClientResponse) -> Callable[[], None]:
+    """Make the answer's body fail if its connection closes before the body ended; returns what undoes
+    it (call it when the stream is over: a pooled connection serves many streams).
 
     aiohttp leaves the body waiting forever when the engine sends bytes it cannot parse as chunked
     encoding (a chunk cut and followed by anything else): it closes the connection and sets the error on
     the connection's protocol, never on the body, and the read timeout goes with the connection. The
-    client's stream then hung, holding its admission slot, with no error event. One callback per stream."""
+    client's stream then hung, holding its admission slot, with no error event."""
     connection = upstream.connection
     protocol = connection.protocol if connection is not None else None
     closed = protocol.closed if protocol is not None else None
     if closed is None:
-        return
+        return _no_op
     content = upstream.content
 
-    def on_closed(future: asyncio.Future[None]) -> None:
-        if not future.cancelled():
-            future.exception()  # retrieved: how it closed is the body's error below, not a log line
+    def on_closed(_future: asyncio.Future[None]) -> None:
         if not content.is_eof() and content.exception() is None:
             content.set_exception(aiohttp.ClientPayloadError("the engine connection closed mid-answer"))
 
+    # Once per connection: the future aiohttp creates on asking holds how the connection closed, which
+    # nobody else reads (asyncio would log it as never retrieved).
+    closed.remove_done_callback(_retrieve_exception)
+    closed.add_done_callback(_retrieve_exception)
     closed.add_done_callback(on_closed)
+
+    def forget() -> None:
+        closed.remove_done_callback(on_closed)
+
+    return forget
+
+
+def _retrieve_exception(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _no_op() -> None:
+    return None
 
 
 async def _end_stream_with_error(
