@@ -23,6 +23,8 @@ from test_chart_cluster import CHART, ChartOperator, helm, permission_error
 
 from components import missing_component
 from kvfleet_operator.api import reasons
+from kvfleet_operator.api.modeldeployment import ServiceType
+from kvfleet_operator.build.guardrails import Guardrails
 from kvfleet_operator.handlers.reconcile import OperatorConfig
 from kvfleet_operator.k8s import kinds
 from operator_support import (
@@ -40,7 +42,19 @@ from operator_support import (
 )
 
 MD = "tiny"
-ALLOWED = dataclasses.replace(CONFIG, exposure=kinds.EXPOSURE_KINDS)
+#: The chart's rbac.ingress and rbac.httpRoute on, and guardrails that allow what these tests expose (the
+#: defaults allow ClusterIP only and no host: tests/security/test_model_deployment_guardrails.py).
+ALLOWED = dataclasses.replace(
+    CONFIG,
+    exposure=kinds.EXPOSURE_KINDS,
+    guardrails=Guardrails(
+        service_types=tuple(ServiceType),
+        service_annotations=("lb.example.com/*",),
+        ingress_classes=("nginx",),
+        hosts=("llm.example.com",),
+        parent_gateways=("gateways/edge",),
+    ),
+)
 CLUSTER_URL = "http://tiny-gateway.{ns}.svc:8080/v1"
 HTTPROUTE_CRD = "httproutes.gateway.networking.k8s.io"
 
@@ -251,6 +265,8 @@ def test_the_charts_rbac_ingress_switch_lets_its_operator_create_the_ingress(
             plane, "install", release, str(CHART), "-n", release_ns,
             "--set", f"operator.watchNamespaces={{{ns}}}",
             "--set", "rbac.ingress=true",
+            "--set", "guardrails.hosts={llm.example.com}",
+            "--set", "guardrails.requireUserRights=false",  # no cluster-wide policy for this test
             "--set", "crds.install=false",  # the session's CRDs, owned by no release
             "--set", "dedicatedGpuGroups.admissionPolicy=false",  # no cluster-wide policy for this test
         )  # fmt: skip

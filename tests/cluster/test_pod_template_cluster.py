@@ -32,7 +32,7 @@ TEMPLATE: dict[str, Any] = {
         {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"},
         {"name": "EXTRA_TOKEN", "valueFrom": {"secretKeyRef": {"name": "extra", "key": "token"}}},
     ],
-    "envFrom": [{"configMapRef": {"name": "vllm-tuning"}}],
+    "envFrom": [{"prefix": "TUNING_", "configMapRef": {"name": "vllm-tuning"}}],
     "runtimeClassName": "kvfleet-test",
     "priorityClassName": "inference-high",
     "imagePullSecrets": [{"name": "registry"}],
@@ -86,7 +86,7 @@ def test_every_overridable_field_reaches_the_stored_engine_pods(
     assert env["VLLM_LOGGING_LEVEL"]["value"] == "DEBUG"
     assert env["EXTRA_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "extra", "key": "token"}
     assert {e["name"] for e in before["spec"]["containers"][0]["env"]} <= set(env)  # the operator's env stays
-    assert engine["envFrom"] == [{"configMapRef": {"name": "vllm-tuning"}}]
+    assert engine["envFrom"] == [{"prefix": "TUNING_", "configMapRef": {"name": "vllm-tuning"}}]
     # Memory is the template's plus what the pod holds besides: the LMCache CPU tier (kvCache.cpuSize) and,
     # on a CPU engine, vLLM's own KV space (pool.cpuKvCacheSpace).
     held = parse_quantity(md["spec"]["kvCache"]["cpuSize"]) + parse_quantity(

@@ -229,7 +229,7 @@ def test_node_selector_is_sorted_so_the_object_is_byte_stable() -> None:
             DEDICATED_POOL,
             {
                 "--pool": "dedicated-bank",
-                "--nvme-dir": f"{NVME_MOUNT}/ns/$(KVFLEET_POD_NAME)",
+                "--nvme-dir": f"{NVME_MOUNT}/$(KVFLEET_POD_NAME)",
                 "--model": "Qwen/Qwen2.5-72B-Instruct",
             },
             id="dedicated-pool-on-a-host-path-writes-in-its-own-per-replica-folder",
@@ -259,9 +259,12 @@ def test_launch_command(pool: PoolWorkload, flags: dict[str, Any]) -> None:
         ),
         pytest.param(
             DEDICATED_POOL,
-            {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}},
+            {
+                "name": "nvme",
+                "hostPath": {"path": "/mnt/nvme/ns/m/dedicated-bank", "type": "DirectoryOrCreate"},
+            },
             {"name": "nvme", "mountPath": NVME_MOUNT},
-            id="nvme-host-path-must-exist-the-kubelet-would-create-it-for-root",
+            id="nvme-host-path-mounts-only-the-pools-own-folder-never-the-root",
         ),
         pytest.param(
             GPU_POOL, MISSING, {"name": "nvme", "mountPath": NVME_MOUNT}, id="nvme-pvc-is-a-claim-template"

@@ -35,7 +35,7 @@ TEMPLATE: dict[str, Any] = {
         {"name": "HOME", "value": "/tmp/home"},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
     ],
-    "envFrom": [{"configMapRef": {"name": "vllm-tuning"}}],
+    "envFrom": [{"prefix": "TUNING_", "configMapRef": {"name": "vllm-tuning"}}],
     "runtimeClassName": "nvidia",
     "priorityClassName": "inference-high",
     "imagePullSecrets": [{"name": "registry"}],
@@ -131,7 +131,7 @@ def test_the_template_is_merged_over_the_pod() -> None:
     assert [e["name"] for e in engine["env"]].count("HOME") == 1
     assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert env["VLLM_PLUGINS"]["value"] == "kvfleet"  # the tenant-aware block pool stays on
-    assert engine["envFrom"] == [{"configMapRef": {"name": "vllm-tuning"}}]
+    assert engine["envFrom"] == [{"prefix": "TUNING_", "configMapRef": {"name": "vllm-tuning"}}]
     spec = pod["spec"]
     assert spec["runtimeClassName"] == "nvidia" and spec["priorityClassName"] == "inference-high"
     assert spec["imagePullSecrets"] == [{"name": "registry"}]

@@ -151,9 +151,12 @@ def test_s3_credentials_are_the_engines_environment() -> None:
 
 
 def test_s3_credentials_come_before_the_templates_env_from() -> None:
-    template = {"envFrom": [{"configMapRef": {"name": "tuning"}}]}
+    template = {"envFrom": [{"prefix": "TUNING_", "configMapRef": {"name": "tuning"}}]}
     pod = _pod(_md({"uri": "s3://models/qwen", "credentialsSecretRef": {"name": "s3"}}, podTemplate=template))
-    assert _engine(pod)["envFrom"] == [{"secretRef": {"name": "s3"}}, {"configMapRef": {"name": "tuning"}}]
+    assert _engine(pod)["envFrom"] == [
+        {"secretRef": {"name": "s3"}},
+        {"prefix": "TUNING_", "configMapRef": {"name": "tuning"}},
+    ]
 
 
 def test_gcs_credentials_are_a_mounted_key_file() -> None:

@@ -375,8 +375,10 @@ class EngineSpec(CrdModel):
         Field(
             max_length=512,
             pattern=r"^[^\s]+$",
-            description="Container image of the engine (vLLM with the kvfleet plugin). Empty: the "
-            "operator's default image.",
+            description="Container image of the engine (vLLM with the kvfleet plugin); it also runs the "
+            "model download. Empty: the operator's default image. Another image must start with a prefix "
+            "the platform allows (the chart's guardrails.images), else the ModelDeployment is refused "
+            "(GuardrailRefused).",
         ),
     ] = None
     tensor_parallel_size: Annotated[
@@ -439,7 +441,11 @@ class EngineSpec(CrdModel):
         list[Annotated[str, Field(max_length=256)]],
         Field(
             max_length=64,
-            description="More vLLM command-line arguments, appended verbatim, e.g. [--max-num-seqs=256].",
+            description="More vLLM command-line arguments, appended verbatim, e.g. [--enforce-eager]. Only "
+            "tuning flags (--max-num-seqs, --enforce-eager, --swap-space, --dtype, --quantization, "
+            "--tool-call-parser, ... the list is in docs/security.md) and those the platform adds (the "
+            "chart's guardrails.engineArgs); never a flag the operator sets (vLLM keeps the last). Others "
+            "refuse the ModelDeployment (GuardrailRefused).",
             json_schema_extra={"x-kubernetes-list-type": "atomic", **cel_rules_schema(RULE_EXTRA_ARGS)},
         ),
     ] = []
@@ -486,11 +492,13 @@ class NvmeTier(CrdModel):
         Field(
             max_length=1024,
             pattern=r"^/.*$",
-            description="Absolute node path to an NVMe mount, e.g. /mnt/nvme; it must exist and be writable "
-            "by uid 10001. Each replica writes under <hostPath>/<namespace>/<pod>. A hostPath volume needs "
-            "the privileged Pod Security level (baseline and restricted refuse it), and its files stay on "
-            "the node when the pool or tenant is deleted: prefer storageClassName, whose volumes go with "
-            "the pool.",
+            description="Absolute node path to an NVMe mount, e.g. /mnt/nvme: one of the roots the platform "
+            "allows, or a folder under one (the chart's guardrails.hostPathRoots; none by default, and then "
+            "the ModelDeployment is refused: GuardrailRefused). Each pool mounts only "
+            "<hostPath>/<namespace>/<modelDeployment>/<pool> (created if missing), each replica writes in "
+            "its <pod> folder there. A hostPath volume needs the privileged Pod Security level (baseline "
+            "and restricted refuse it), and its files stay on the node when the pool or tenant is deleted: "
+            "prefer storageClassName, whose volumes go with the pool.",
         ),
     ] = None
 
@@ -605,11 +613,34 @@ RESERVED_ANNOTATION_PREFIXES = (
     "container.seccomp.security.alpha.kubernetes.io/",
     "container.apparmor.security.beta.kubernetes.io/",
 )
-#: Environment the operator and the launcher own: the tenant table, keys and pool of the tenant-aware
-#: block pool (KVFLEET_*), whether that plugin loads at all (VLLM_PLUGINS), LMCache's settings (bind
-#: addresses, tiers) and the CPU KV space (spec.pool.cpuKvCacheSpace).
-RESERVED_ENV_NAMES = ("VLLM_PLUGINS", "VLLM_CPU_KVCACHE_SPACE")
-RESERVED_ENV_PREFIXES = ("KVFLEET_", "LMCACHE_")
+#: Environment a pod template may not set: what the operator and the launcher own (the tenant table, keys
+#: and pool of the tenant-aware block pool, KVFLEET_*; whether that plugin loads at all, VLLM_PLUGINS;
+#: LMCache's settings, bind addresses and tiers, LMCACHE_*; the CPU KV space, spec.pool.cpuKvCacheSpace),
+#: and what makes the engine run other code or act otherwise than the operator set it up: the dynamic
+#: loader (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT: LD_*), the interpreter (PYTHONPATH, PYTHONSTARTUP,
+#: PYTHONWARNINGS and PYTHONBREAKPOINT import modules: PYTHON*), PATH and BASH_ENV, going online for the
+#: model (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE: the engine serves the commit fetched before it started)
+#: and vLLM's switches for development endpoints, a logging config file (which can instantiate any class),
+#: insecure deserialisation, runtime LoRA loading, another model hub, profiler traces and logged responses.
+RESERVED_ENV_NAMES = (
+    "VLLM_PLUGINS",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "PATH",
+    "BASH_ENV",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_SERVER_DEV_MODE",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_USE_MODELSCOPE",
+    "VLLM_TORCH_PROFILER_DIR",
+    "VLLM_DEBUG_LOG_API_SERVER_RESPONSE",
+    "VLLM_HOST_IP",
+    "VLLM_PORT",
+)
+RESERVED_ENV_PREFIXES = ("KVFLEET_", "LMCACHE_", "LD_", "PYTHON")
 #: Pod fields a template may never set, and why (the message of each refusal).
 FORBIDDEN_POD_FIELDS: dict[str, str] = {
     "securityContext": "engine pods run under the restricted Pod Security level (non-root, no "
@@ -645,10 +676,39 @@ RULE_POD_ENV = CelRule(
     rule=f"self.all(e, !(e.name in [{_ENV_NAMES_CEL}]) && "
     + _prefix_rule("e.name", RESERVED_ENV_PREFIXES)
     + ")",
-    message="spec.pool.podTemplate.env may not set VLLM_PLUGINS, VLLM_CPU_KVCACHE_SPACE, KVFLEET_* or "
-    "LMCACHE_*: they carry the tenant table, the tenant-aware block pool and LMCache's isolation "
-    "(set the CPU KV space with spec.pool.cpuKvCacheSpace)",
+    message="spec.pool.podTemplate.env may not set "
+    + ", ".join(RESERVED_ENV_NAMES)
+    + " or names starting with "
+    + ", ".join(RESERVED_ENV_PREFIXES)
+    + ": they carry the tenant table, the tenant-aware block pool and LMCache's isolation, or load other "
+    "code into the engine (set the CPU KV space with spec.pool.cpuKvCacheSpace)",
 )
+_RESERVED_CEL = ", ".join(f"'{n}'" for n in (*RESERVED_ENV_NAMES, *RESERVED_ENV_PREFIXES))
+#: envFrom's keys are known only when the pod starts, so nothing can check them here: every entry needs a
+#: prefix under which no reserved name can be spelled.
+RULE_POD_ENV_FROM = CelRule(
+    rule="self.all(e, has(e.prefix) && e.prefix != '' && "
+    f"[{_RESERVED_CEL}].all(r, !r.startsWith(e.prefix)) && "
+    + _prefix_rule("e.prefix", RESERVED_ENV_PREFIXES)
+    + ")",
+    message="spec.pool.podTemplate.envFrom: every entry needs a prefix (e.g. APP_) that no reserved "
+    "environment name starts with and that starts with none of "
+    + ", ".join(RESERVED_ENV_PREFIXES)
+    + ": the keys of a ConfigMap or Secret are known only when the pod starts, and one named like a "
+    "reserved variable (LMCACHE_*, LD_PRELOAD) would reach the engine",
+)
+
+
+def env_from_prefix_ok(prefix: str | None) -> bool:
+    """Whether an envFrom ``prefix`` keeps every key it brings off the reserved names
+    (``RULE_POD_ENV_FROM``)."""
+    return (
+        bool(prefix)
+        and not any(r.startswith(prefix or "") for r in (*RESERVED_ENV_NAMES, *RESERVED_ENV_PREFIXES))
+        and not (prefix or "").startswith(RESERVED_ENV_PREFIXES)
+    )
+
+
 RULES_FORBIDDEN_POD_FIELDS = tuple(
     CelRule(
         rule=f"!has(self.{name})",
@@ -755,7 +815,15 @@ class EnvFromSource(CrdModel):
 
     model_config = {"json_schema_extra": cel_rules_schema(RULE_ENV_FROM_ONE)}
 
-    prefix: Annotated[str | None, Field(max_length=128, description="Prefix for every variable name.")] = None
+    prefix: Annotated[
+        str | None,
+        Field(
+            max_length=128,
+            pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+            description="Prefix for every variable name, e.g. APP_; required, and no reserved name may start "
+            "with it.",
+        ),
+    ] = None
     config_map_ref: NameReference | None = Field(default=None, description="A ConfigMap.")
     secret_ref: NameReference | None = Field(default=None, description="A Secret.")
 
@@ -912,8 +980,11 @@ class PodTemplate(CrdModel):
         list[EnvVar],
         Field(
             max_length=64,
-            description="More environment of the engine container (not VLLM_PLUGINS, "
-            "VLLM_CPU_KVCACHE_SPACE, KVFLEET_* or LMCACHE_*).",
+            description="More environment of the engine container; not the reserved names ("
+            + ", ".join(RESERVED_ENV_NAMES)
+            + ") nor names starting with "
+            + ", ".join(RESERVED_ENV_PREFIXES)
+            + ".",
             json_schema_extra={"x-kubernetes-list-type": "atomic", **cel_rules_schema(RULE_POD_ENV)},
         ),
     ] = []
@@ -921,8 +992,10 @@ class PodTemplate(CrdModel):
         list[EnvFromSource],
         Field(
             max_length=16,
-            description="Secrets or ConfigMaps whose keys become environment variables.",
-            json_schema_extra={"x-kubernetes-list-type": "atomic"},
+            description="Secrets or ConfigMaps whose keys become environment variables, each under a "
+            "prefix (e.g. APP_) that no reserved name starts with: the keys are known only when the pod "
+            "starts.",
+            json_schema_extra={"x-kubernetes-list-type": "atomic", **cel_rules_schema(RULE_POD_ENV_FROM)},
         ),
     ] = []
     runtime_class_name: Annotated[
@@ -930,7 +1003,13 @@ class PodTemplate(CrdModel):
         Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="RuntimeClass, e.g. nvidia."),
     ] = None
     priority_class_name: Annotated[
-        str | None, Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="PriorityClass.")
+        str | None,
+        Field(
+            max_length=253,
+            pattern=DNS_SUBDOMAIN_PATTERN,
+            description="PriorityClass: one the platform allows (the chart's guardrails.priorityClassNames; "
+            "by default any but system-*).",
+        ),
     ] = None
     affinity: Affinity | None = Field(default=None, description="Scheduling affinity.")
     image_pull_secrets: Annotated[
@@ -999,6 +1078,8 @@ def check_pod_template(template: PodTemplate) -> list[str]:
         problems.append(RULE_POD_ANNOTATIONS.message)
     if any(e.name in RESERVED_ENV_NAMES or e.name.startswith(RESERVED_ENV_PREFIXES) for e in template.env):
         problems.append(RULE_POD_ENV.message)
+    if not all(env_from_prefix_ok(e.prefix) for e in template.env_from):
+        problems.append(RULE_POD_ENV_FROM.message)
     return problems
 
 
@@ -1234,13 +1315,15 @@ class ServiceExposure(CrdModel):
     type: ServiceType = Field(
         default=ServiceType.CLUSTER_IP,
         description="ClusterIP (in the cluster only; the default), LoadBalancer (an address from the cloud's "
-        "load balancer; status.endpoint shows it once assigned) or NodePort (a port on every node).",
+        "load balancer; status.endpoint shows it once assigned) or NodePort (a port on every node); only the "
+        "types the platform allows (the chart's guardrails.serviceTypes; ClusterIP by default).",
     )
     annotations: Annotated[
         dict[str, Annotated[str, Field(max_length=4096)]],
         Field(
             max_length=32,
-            description="Annotations on the Service, e.g. a cloud's internal load balancer switch.",
+            description="Annotations on the Service, e.g. a cloud's internal load balancer switch; only "
+            "keys the platform allows (the chart's guardrails.serviceAnnotations; none by default).",
         ),
     ] = {}
 
@@ -1272,14 +1355,21 @@ class IngressExposure(CrdModel):
     model_config = {"json_schema_extra": cel_rules_schema(RULE_INGRESS_HOST)}
 
     host: Annotated[
-        str, Field(min_length=1, max_length=253, description="Host clients call, e.g. llm.example.com.")
+        str,
+        Field(
+            min_length=1,
+            max_length=253,
+            description="Host clients call, e.g. llm.example.com; one the platform gives this namespace (the "
+            "chart's guardrails.hosts).",
+        ),
     ]
     class_name: Annotated[
         str | None,
         Field(
             max_length=253,
             pattern=DNS_SUBDOMAIN_PATTERN,
-            description="IngressClass; empty: the cluster's default class.",
+            description="IngressClass; empty: the cluster's default class. Another class must be one the "
+            "platform allows (the chart's guardrails.ingressClasses).",
         ),
     ] = None
     annotations: Annotated[
@@ -1287,7 +1377,9 @@ class IngressExposure(CrdModel):
         Field(
             max_length=32,
             description="Annotations on the Ingress, for the controller (e.g. turn off response buffering "
-            "for streams, raise read timeouts).",
+            "for streams, raise read timeouts); only keys the platform allows (the chart's "
+            "guardrails.ingressAnnotations; by default ingress-nginx's proxy-buffering, proxy-read-timeout, "
+            "proxy-send-timeout and proxy-body-size).",
         ),
     ] = {}
     tls: IngressTls | None = Field(
@@ -1331,7 +1423,8 @@ class HttpRouteExposure(CrdModel):
         Field(
             min_length=1,
             max_length=8,
-            description="Gateways the route attaches to.",
+            description="Gateways the route attaches to: ones the platform allows (the chart's "
+            "guardrails.parentGateways; by default any in this namespace).",
             json_schema_extra={"x-kubernetes-list-type": "atomic"},
         ),
     ]
@@ -1340,7 +1433,8 @@ class HttpRouteExposure(CrdModel):
         Field(
             min_length=1,
             max_length=16,
-            description="Hostnames clients call; the first is status.endpoint's.",
+            description="Hostnames clients call; the first is status.endpoint's. Each one the platform "
+            "gives this namespace (the chart's guardrails.hosts).",
             json_schema_extra={"x-kubernetes-list-type": "atomic"},
         ),
     ]

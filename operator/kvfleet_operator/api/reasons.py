@@ -106,6 +106,14 @@ enough of it). The message names the selector and how many nodes lack each label
 pods stay Pending and start when a node fits. Label, taint or equip the nodes (docs/operations.md,
 Prerequisites)."""
 
+GUARDRAIL_REFUSED: Final = "GuardrailRefused"
+"""ModelDeployment: a field asks for something the platform does not allow (the chart's ``guardrails``: an
+image outside the allowed registries, a host path outside the allowed roots, a vLLM flag that is not a
+tuning flag, a ``system-*`` priority class, a Service type, annotation, ingress class, host or parent
+Gateway not on the lists); the message names each field. The operator writes nothing for it: no child is
+created, changed or deleted, so pods it already runs keep running (an upgrade that now refuses a
+ModelDeployment stops nothing). Fix the field, or ask the platform team to allow it."""
+
 EXPOSURE_UNAVAILABLE: Final = "ExposureUnavailable"
 """ModelDeployment (``Degraded``; still serving in the cluster): ``spec.gateway.exposure`` asks for an
 Ingress or an HTTPRoute the operator may not manage (the chart's ``rbac.ingress`` / ``rbac.httpRoute`` is
@@ -135,6 +143,7 @@ CONDITION_REASONS: Final = (
     CAPACITY_UNKNOWN,
     CAPACITY_BELOW_PLAN,
     NO_MATCHING_NODES,
+    GUARDRAIL_REFUSED,
     EXPOSURE_UNAVAILABLE,
     INVALID_SPEC,
 )

@@ -24,8 +24,10 @@ not merged.
 A StatefulSet (not a Deployment) gives replicas stable DNS names, which the gateway's prefix affinity
 hashes onto, and one NVMe volume per replica. Those volumes are deleted with the StatefulSet (so with the
 ModelDeployment, or with the Tenant that owns a dedicated pool): cached KV never outlives its pool. A
-host-path NVMe tier cannot be cleaned that way; each replica writes under its own
-``<hostPath>/<namespace>/<pod>`` so that pools and replicas sharing a node never share files.
+host-path NVMe tier (only under a root the platform allows, ``build/guardrails.py``) cannot be cleaned that
+way. Every engine runs as uid 10001, so the uid cannot keep pools apart: the mount does. A pool's pods mount
+only ``<hostPath>/<namespace>/<modelDeployment>/<pool>`` (:func:`nvme_host_dir`), never the root, so no
+other pool's files are in reach; each replica writes in its own ``<pod>`` folder inside.
 """
 
 from __future__ import annotations
@@ -283,11 +285,20 @@ def _engine_args(w: PoolWorkload) -> list[str]:
     return ["--cpu-kv-gib", str(w.cpu_kv_cache_gib)] if w.cpu_kv_cache_gib is not None else []
 
 
+def nvme_host_dir(w: PoolWorkload) -> str:
+    """The node folder a host-path pool mounts: ``<hostPath>/<namespace>/<modelDeployment>/<pool>``. The
+    names are DNS labels (no ``/``, no ``..``), so two pools never get the same folder or one inside the
+    other, and no pool reaches the root or another pool's files."""
+    if w.nvme is None or w.nvme.host_path is None:
+        raise ValueError("nvme_host_dir: the pool has no host-path NVMe tier")
+    return f"{w.nvme.host_path.rstrip('/')}/{w.namespace}/{w.model_deployment}/{w.pool}"
+
+
 def _nvme_dir(w: PoolWorkload) -> str:
-    """The replica's NVMe folder. On a host path, ``<namespace>/<pod>`` below it (the container expands
-    ``$(KVFLEET_POD_NAME)``): two pools or two replicas on one node never share LMCache's files."""
+    """The replica's NVMe folder. On a host path, ``<pod>`` inside the pool's folder (the container expands
+    ``$(KVFLEET_POD_NAME)``): two replicas of a pool on one node never share LMCache's files."""
     if w.nvme is not None and w.nvme.host_path is not None:
-        return f"{NVME_MOUNT}/{w.namespace}/$({POD_NAME_ENV})"
+        return f"{NVME_MOUNT}/$({POD_NAME_ENV})"
     return NVME_MOUNT
 
 
@@ -425,9 +436,13 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
     if w.nvme is not None:
         engine["volumeMounts"].append({"name": "nvme", "mountPath": NVME_MOUNT})
         if w.nvme.host_path is not None:
-            # Directory, not DirectoryOrCreate: a folder the kubelet creates is root's, and the engine runs
-            # as uid 10001. The platform team provides it, writable; LMCache creates the replica's folder.
-            volumes.append({"name": "nvme", "hostPath": {"path": w.nvme.host_path, "type": "Directory"}})
+            # The pool's own folder, never the root: the engines of every namespace run as uid 10001, and
+            # only the mount keeps one pool's KV files out of another's reach. The kubelet creates the
+            # folder (root's, mode 0755); the platform's root carries a default ACL that lets uid 10001
+            # write in what is created below it (docs/operations.md). LMCache creates the replica's folder.
+            volumes.append(
+                {"name": "nvme", "hostPath": {"path": nvme_host_dir(w), "type": "DirectoryOrCreate"}}
+            )
         else:
             pvc_spec: Obj = {
                 "accessModes": ["ReadWriteOnce"],

@@ -31,6 +31,7 @@ from kvfleet_operator import metrics
 from kvfleet_operator.api.common import GROUP, VERSION
 from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
 from kvfleet_operator.build.gpu_groups import parse_gpu_group_owners
+from kvfleet_operator.build.guardrails import GUARDRAILS_ENV, parse_guardrails
 from kvfleet_operator.build.model_deployment import OperatorImages
 from kvfleet_operator.build.network import parse_metrics_scrapers, parse_operator_peer
 from kvfleet_operator.handlers.faults import crash_point
@@ -167,6 +168,9 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         engine_capacity=EngineCapacityReader(),
         operator_peer=parse_operator_peer(os.environ.get(OPERATOR_PEER_ENV)),
         exposure=kinds.parse_exposure_kinds(os.environ.get(EXPOSURE_KINDS_ENV)),
+        # A malformed value stops the start-up too: an allowlist with a typo must not silently allow less
+        # or more than the platform meant.
+        guardrails=parse_guardrails(os.environ.get(GUARDRAILS_ENV)),
     )
     memo["kvfleet"] = OperatorState(client, config)
 

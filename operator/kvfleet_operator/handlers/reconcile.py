@@ -41,6 +41,7 @@ from kvfleet_operator.build.gpu_groups import (
     decide_gpu_group_claims,
     gpu_group_claims,
 )
+from kvfleet_operator.build.guardrails import Guardrails, check_model_deployment, describe_refusals
 from kvfleet_operator.build.keys import (
     KeyResolution,
     build_api_key_secret,
@@ -120,6 +121,10 @@ class OperatorConfig:
     #: The operator's own pods, which the engine NetworkPolicies admit to the metrics port
     #: (``KVFLEET_OPERATOR_PEER``); ``None`` when it runs outside the cluster.
     operator_peer: OperatorPeer | None = None
+    #: What the platform lets a ModelDeployment ask for (chart value ``guardrails``,
+    #: ``KVFLEET_GUARDRAILS``; ``build/guardrails.py``). The default allows only the operator's images,
+    #: no host path, tuning flags, ClusterIP and Gateways in the ModelDeployment's own namespace.
+    guardrails: Guardrails = field(default_factory=Guardrails)
 
 
 @dataclass
@@ -144,6 +149,8 @@ class Cycle:
     result: ReconcileResult = field(default_factory=ReconcileResult)
     #: Set by a step that leaves the remaining work steps nothing to do; the status steps still run.
     finished: bool = False
+    #: The spec asks for what the platform does not allow (``check_guardrails``): nothing is written.
+    refused: bool = False
     raw_md: Obj | None = None
     #: The ModelDeployment's tenants as read (not being deleted), by name, in the order listed.
     raw_tenants: dict[str, Obj] = field(default_factory=dict)
@@ -211,6 +218,20 @@ async def parse_model_deployment(client: KubeClient, c: Cycle) -> None:
     c.md = parsed
 
 
+async def check_guardrails(client: KubeClient, c: Cycle) -> None:
+    """A spec the platform does not allow (``build/guardrails.py``) gets ``GuardrailRefused`` naming each
+    field, and nothing is written for it: no child created, changed or deleted, no key generated. The rest
+    of the cycle still reads and decides, so the status (tenants' admitted quotas included) stays whole,
+    and pods an older operator started keep running until the spec is fixed."""
+    if c.md is None:
+        return
+    managed = {kind.kind for kind in c.config.exposure}
+    refusals = check_model_deployment(c.md, c.config.guardrails, c.config.images, managed)
+    if refusals:
+        c.refused = True
+        c.result.problem = st.problem(reasons.GUARDRAIL_REFUSED, describe_refusals(refusals))
+
+
 async def read_secrets(client: KubeClient, c: Cycle) -> None:
     """The namespace's key Secrets: only those labelled ``kvfleet.io/tenant`` (a server-side selector, so
     the operator never reads another Secret's data; RBAC cannot say so, the selector does). One LIST
@@ -269,7 +290,7 @@ async def size_pool(client: KubeClient, c: Cycle) -> None:
         return
     sized = steps.size_pool(c.md)
     if isinstance(sized, ConditionUpdate):
-        c.result.problem = sized
+        c.result.problem = c.result.problem or sized
     else:
         c.capacity = c.planned = sized
 
@@ -290,12 +311,7 @@ async def read_engine_capacity(client: KubeClient, c: Cycle) -> None:
                 raise
             pods = []
         c.engine_pods = pods
-        # Only the pods the ModelDeployment's own StatefulSets control count, by UID: a pod that merely
-        # wears the engine labels says nothing about the pool (``reconcile/capacity.owned_engine_pods``).
-        pools = await client.list(kinds.STATEFUL_SET, c.namespace, label_selector=owned_selector(c.name))
-        md_uid = str((c.raw_md or {}).get("metadata", {}).get("uid", ""))
-        targets = engine_metrics_targets(pods, pools, md_uid)
-        reported = list((await c.config.engine_capacity.read(targets)).values())
+        reported = list((await c.config.engine_capacity.read(engine_metrics_targets(pods))).values())
     previous = c.md.status.kv_capacity if c.md.status is not None else None
     c.engine = decide_engine_capacity(c.planned.hbm_blocks, reported, previous)
     c.capacity = effective_capacity(c.planned, c.engine)
@@ -309,6 +325,8 @@ async def admit(client: KubeClient, c: Cycle) -> None:
 
 async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
     """A generated key Secret for each admitted tenant that has none; created once, never overwritten."""
+    if c.refused:
+        return
     by_name = {str(t.metadata["name"]): t for t in c.tenants}
     for i, name in enumerate(steps.keys_to_generate(c.keys, c.decisions)):
         if i:
@@ -350,8 +368,9 @@ async def read_children(client: KubeClient, c: Cycle) -> None:
 
 
 async def build_desired(client: KubeClient, c: Cycle) -> None:
-    """Without capacity nothing is desired, and nothing is planned: existing children are left alone."""
-    if c.md is None or c.capacity is None:
+    """Without capacity, or for a spec the guardrails refuse, nothing is desired, and nothing is planned:
+    existing children are left alone."""
+    if c.md is None or c.capacity is None or c.refused:
         return
     admitted = {d.name for d in c.decisions if d.admitted}
     keys = build_key_file(derive_salt_key_hex(c.config.salt_master, c.md), steps.key_hashes(c.keys), admitted)
@@ -551,6 +570,7 @@ STEPS: Final[tuple[Step, ...]] = (
     read_model_deployment,
     read_tenants,
     parse_model_deployment,
+    check_guardrails,
     read_secrets,
     parse_tenants,
     claim_gpu_groups,
