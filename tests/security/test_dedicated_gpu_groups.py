@@ -28,6 +28,7 @@ import base64
 import copy
 import secrets
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -608,7 +609,11 @@ def test_a_group_a_squatter_named_first_goes_to_the_tenant_it_is_bound_to(owner:
     squatter = _dedicated_tenant(s.thief_ns, "squatter")
     squatter["spec"]["dedicated"]["gpuGroup"] = SQUATTED
     create(s.plane, squatter)
+    created = tenant(s.plane, s.thief_ns, "squatter")["metadata"]["creationTimestamp"]
     _reconcile_as_operator(s, s.thief_ns, config)
+    # Creation times have one-second resolution: the bank comes strictly later (first come would serve
+    # the squatter).
+    wait_for(lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) > created, timeout=5, what="1 s")
     bank_b = _dedicated_tenant(s.owner_ns, "bank-b")
     bank_b["spec"]["dedicated"]["gpuGroup"] = SQUATTED
     create(s.plane, bank_b)
