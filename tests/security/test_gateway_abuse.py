@@ -215,7 +215,8 @@ async def test_the_token_budget_counts_what_the_engine_will_generate(tmp_path: P
     """Threat: the budget is estimated from the smaller of ``max_tokens`` and ``max_completion_tokens``
     while vLLM obeys ``max_completion_tokens``, and a batch of prompts as one sequence: the probe's request
     of ``max_tokens: 1, max_completion_tokens: 30000`` against a 10,000 tokens/min budget was admitted (and
-    generates 30,000 tokens); 100 prompts of 200 tokens each were admitted as 200."""
+    generates 30,000 tokens); 100 prompts of 200 tokens each were admitted as 200; a request the engine
+    refused kept its whole estimate charged."""
     budget = TenantRow("budget", rate_limits=RateLimits(tokens_per_minute=10_000, requests_per_minute=600))
     async with (
         fake_engines(1) as (engine,),
@@ -245,6 +246,20 @@ async def test_the_token_budget_counts_what_the_engine_will_generate(tmp_path: P
         # The first request's 3,000 were given back once its usage (a few tokens) was known.
         assert int(answer.headers["x-ratelimit-remaining-tokens"]) > 10_000 - 200
         assert len(engine.received) == 2
+    # A request the engine refuses (a 4xx: it generated nothing) costs nothing either.
+    async with (
+        fake_engines(1, status=400) as (refusing,),
+        gateway_before(tmp_path, refusing.url, [budget]) as (gateway, keys),
+        client(gateway, keys["budget"][0]) as openai_client,
+    ):
+        for _ in range(2):
+            with pytest.raises(openai.BadRequestError):
+                await openai_client.chat.completions.create(
+                    model=MODEL, messages=messages, max_completion_tokens=3_000
+                )
+        answer = await openai_client.models.with_raw_response.list()
+        assert int(answer.headers["x-ratelimit-remaining-tokens"]) > 10_000 - 200
+        assert len(refusing.received) == 2
 
 
 # -- hole 8: the connection bound -----------------------------------------------------------------------

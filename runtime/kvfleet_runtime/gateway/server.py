@@ -932,9 +932,10 @@ class Gateway:
         if isinstance(connected, web.Response):
             connected.headers.update(limit_headers)
             if connected.status == 503:
+                admission.settle_usage(0, 0)  # sent to no engine: nothing was generated
                 self.metrics.count_rejected(tenant.name, "no_healthy_replica")
                 return connected, "unavailable"
-            return connected, "upstream_error"
+            return connected, "upstream_error"  # the engine may have run it: the estimate stays charged
         upstream, replica = connected
         usage = _UsageTracker()
         started: list[web.StreamResponse] = []
@@ -995,6 +996,8 @@ class Gateway:
             series.prompt_tokens.inc(usage.prompt)
             series.completion_tokens.inc(usage.completion)
             series.cached_prompt_tokens.inc(usage.cached)
+        elif outcome == "client_error":
+            admission.settle_usage(0, 0)  # the engine refused the request (a 4xx): it generated nothing
         return response, outcome
 
     async def _relay_buffered(
