@@ -311,7 +311,12 @@ async def read_engine_capacity(client: KubeClient, c: Cycle) -> None:
                 raise
             pods = []
         c.engine_pods = pods
-        reported = list((await c.config.engine_capacity.read(engine_metrics_targets(pods))).values())
+        # Only the pods the ModelDeployment's own StatefulSets control count, by UID: a pod that merely
+        # wears the engine labels says nothing about the pool (``reconcile/capacity.owned_engine_pods``).
+        pools = await client.list(kinds.STATEFUL_SET, c.namespace, label_selector=owned_selector(c.name))
+        md_uid = str((c.raw_md or {}).get("metadata", {}).get("uid", ""))
+        targets = engine_metrics_targets(pods, pools, md_uid)
+        reported = list((await c.config.engine_capacity.read(targets)).values())
     previous = c.md.status.kv_capacity if c.md.status is not None else None
     c.engine = decide_engine_capacity(c.planned.hbm_blocks, reported, previous)
     c.capacity = effective_capacity(c.planned, c.engine)
