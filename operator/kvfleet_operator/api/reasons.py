@@ -58,9 +58,10 @@ gateway could not tell them apart, so the key is refused for both and neither is
 of them a new key (rotation recipe in docs/operations.md)."""
 
 GPU_GROUP_IN_USE: Final = "GpuGroupInUse"
-"""Tenant: ``spec.dedicated.gpuGroup`` names a GPU group that another Tenant owns (the oldest Tenant naming
-it, in any watched namespace; the message names it). A group serves one tenant, so nothing of this one is
-applied. Delete it and recreate it with another group (the field is immutable), or delete the owner."""
+"""Tenant: ``spec.dedicated.gpuGroup`` names a GPU group the platform bound to someone else (chart value
+``dedicatedGpuGroups.owners``), or, within a namespace binding, one an older Tenant there owns; the message
+names it. A group serves one tenant, so nothing of this one is applied. Use a group bound to this tenant
+(delete and recreate it: the field is immutable), or ask the platform team to change the binding."""
 
 GPU_GROUP_NOT_BOUND: Final = "GpuGroupNotBound"
 """Tenant: ``spec.dedicated.gpuGroup`` names a GPU group the platform bound to no owner (chart value

@@ -3,7 +3,7 @@
 Isolation and a dedicated tenant's GPU group are immutable once set (transition rules): moving a tenant
 between a shared pool and its own GPU group, or between groups, would leave KV behind in the old place,
 so the tenant must be deleted and recreated instead. :func:`check_tenant_transition` is the pydantic-side
-mirror of those rules. A GPU group belongs to one Tenant (the oldest claimant; ``build/gpu_groups.py``);
+mirror of those rules. A GPU group belongs to whom the platform binds it to (``build/gpu_groups.py``);
 an immutable group is what keeps that ownership stable: a tenant claims a group only when it is created.
 """
 
@@ -93,8 +93,9 @@ class DedicatedSettings(CrdModel):
 
     gpu_group: LabelName = Field(
         description=f"GPU node group: nodes labelled {GPU_GROUP_LABEL}=<this> and tainted for it, e.g. "
-        "bank-h200. A group belongs to one Tenant, the oldest that names it; a later claimant is refused "
-        "(GpuGroupInUse) until the owner is deleted. Immutable.",
+        "bank-h200. A group serves the Tenant the platform bound it to (chart value "
+        "dedicatedGpuGroups.owners); any other claimant is refused (GpuGroupInUse, or GpuGroupNotBound for "
+        "a group bound to nobody). Immutable.",
         json_schema_extra=cel_rules_schema(RULE_GPU_GROUP_IMMUTABLE),
     )
     replicas: Annotated[
