@@ -676,6 +676,27 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         C,
     ),
     _md(
+        "md-template-ld-preload-env",
+        "pod template env preloading a library into the engine",
+        {"spec.pool.podTemplate": {"env": [{"name": "LD_PRELOAD", "value": "/tmp/x.so"}]}},
+        "spec.pool.podTemplate.env",
+        C,
+    ),
+    _md(
+        "md-template-env-from-without-prefix",
+        "pod template envFrom without a prefix (its keys could be reserved names)",
+        {"spec.pool.podTemplate": {"envFrom": [{"configMapRef": {"name": "a"}}]}},
+        "spec.pool.podTemplate.envFrom",
+        C,
+    ),
+    _md(
+        "md-template-env-from-reserved-prefix",
+        "pod template envFrom under a prefix that spells a reserved name",
+        {"spec.pool.podTemplate": {"envFrom": [{"prefix": "VLLM_", "configMapRef": {"name": "a"}}]}},
+        "spec.pool.podTemplate.envFrom",
+        C,
+    ),
+    _md(
         "md-template-env-value-and-from",
         "pod template env with both value and valueFrom",
         {
