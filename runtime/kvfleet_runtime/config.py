@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -304,6 +305,26 @@ class KeyFile(_Model):
     @classmethod
     def load(cls, path: Path) -> KeyFile:
         return cls.model_validate_json(path.read_bytes())
+
+
+#: A host name a media URL may name (``parse_media_hosts``): DNS labels of letters, digits and hyphens.
+_MEDIA_HOST_RE = re.compile(
+    r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
+)
+
+
+def parse_media_hosts(value: str) -> tuple[str, ...]:
+    """The hosts whose http(s) media URLs the gateway lets through and vLLM fetches from
+    (``--allowed-media-domains`` of the gateway and of ``kvfleet engine launch``; the chart's
+    ``allowedMediaHosts``), from a comma-separated list: lower-cased, sorted, without repeats (empty: none).
+    Exact names: vLLM compares a URL's host with each as a whole. ``ValueError`` for anything else."""
+    hosts = sorted({h.strip().lower() for h in value.split(",") if h.strip()})
+    for host in hosts:
+        if not _MEDIA_HOST_RE.match(host):
+            raise ValueError(
+                f"{host!r} is not a host name (letters, digits, hyphens and dots; no scheme, port or path)"
+            )
+    return tuple(hosts)
 
 
 def hash_api_key(key: str) -> str:

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from kvfleet_runtime.config import EngineSettings
+from engine_fixtures import EXAMPLES, TINY_MODEL_DEPLOYMENT, load_manifest
+from kvfleet_operator.api import ModelDeployment, Tenant
+from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
+from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
+from kvfleet_runtime.cli import build_parser
+from kvfleet_runtime.config import EngineSettings, KeyFile, TenantTable, parse_media_hosts
+from kvfleet_runtime.engine.cli import resolve_launch
 from kvfleet_runtime.engine.launcher import (
     NO_MEDIA_HOST,
     EngineReplica,
@@ -101,3 +107,43 @@ def test_the_bound_counted_is_the_one_vllm_obeys() -> None:
 def test_a_completions_batch_counts_n_sequences_for_every_prompt(prompt: Any, n: int, sequences: int) -> None:
     parsed = parse_request({"model": "m", "prompt": prompt, "n": n}, Endpoint.COMPLETIONS, 64)
     assert parsed.sequences == sequences
+
+
+def test_the_platforms_media_hosts_reach_the_gateway_and_every_engine_through_their_command_lines() -> None:
+    """The chart's ``allowedMediaHosts`` (``KVFLEET_ALLOWED_MEDIA_HOSTS``) as the operator renders it: the
+    gateway's and each engine's own command lines, parsed by the real ``kvfleet`` parser."""
+    hosts = parse_media_hosts("Media.Example, cdn.example,media.example")
+    assert hosts == ("cdn.example", "media.example")
+    for bad in ("http://media.example", "media.example:443", "*.example", "media.example/x"):
+        with pytest.raises(ValueError, match="not a host name"):
+            parse_media_hosts(bad)
+    md = ModelDeployment.model_validate(load_manifest(TINY_MODEL_DEPLOYMENT, uid="md-uid"))
+    tenants = [
+        Tenant.model_validate(load_manifest(p, uid=f"uid-{i}", creationTimestamp=f"2026-01-01T00:00:0{i}Z"))
+        for i, p in enumerate(sorted((EXAMPLES / "local").glob("tenant-*.yaml")))
+    ]
+    capacity = compute_pool_capacity(md)
+    keys = KeyFile(salt_key_hex="ab" * 32, key_hashes={})
+    images = OperatorImages(engine="e:1", gateway="g:1")
+    decisions = admit_tenants(capacity, tenants)
+    for media_hosts in ((), hosts):
+        children = build_desired_children(
+            md, capacity, tenants, decisions, keys, images, media_hosts=media_hosts
+        )
+        table = TenantTable.model_validate_json(
+            next(c for c in children if c["kind"] == "ConfigMap")["data"]["tenants.json"]
+        )
+        gateway = next(
+            c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "tiny-gateway"
+        )
+        command = gateway["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert build_parser().parse_args(command[1:]).allowed_media_domains == frozenset(media_hosts)
+        engines = [c for c in children if c["kind"] == "StatefulSet"]
+        assert engines
+        for engine in engines:
+            command = engine["spec"]["template"]["spec"]["containers"][0]["command"]
+            _, replica = resolve_launch(build_parser().parse_args(command[1:]), table)
+            assert replica.site.allowed_media_domains == media_hosts
+            args = build_vllm_args(replica)
+            i = args.index("--allowed-media-domains")
+            assert args[i + 1 : i + 1 + max(1, len(media_hosts))] == list(media_hosts or (NO_MEDIA_HOST,))

@@ -147,6 +147,8 @@ class PoolWorkload:
     cpu_kv_cache_gib: int | None = None
     #: ``spec.pool.podTemplate``, merged over the pod.
     template: PodTemplate = field(default_factory=PodTemplate)
+    #: Hosts whose http(s) media URLs vLLM may fetch (the chart's ``allowedMediaHosts``); empty: none.
+    allowed_media_domains: tuple[str, ...] = ()
 
 
 def _tolerates_forever_or_own(toleration: Obj, key: str) -> bool:
@@ -279,10 +281,12 @@ def _env(w: PoolWorkload) -> list[Obj]:
 
 def _engine_args(w: PoolWorkload) -> list[str]:
     """The launcher's build: ``--gpu`` on GPUs (vLLM sizes its KV cache; any block size), else the CPU
-    build's KV space in whole GiB (``spec.pool.cpuKvCacheSpace``; without it the launcher's default)."""
+    build's KV space in whole GiB (``spec.pool.cpuKvCacheSpace``; without it the launcher's default); and
+    the media hosts vLLM may fetch from, when the platform allows any (else the launcher allows none)."""
+    media = ["--allowed-media-domains", ",".join(w.allowed_media_domains)] if w.allowed_media_domains else []
     if w.gpus_per_replica > 0:
-        return ["--gpu"]
-    return ["--cpu-kv-gib", str(w.cpu_kv_cache_gib)] if w.cpu_kv_cache_gib is not None else []
+        return ["--gpu", *media]
+    return [*(["--cpu-kv-gib", str(w.cpu_kv_cache_gib)] if w.cpu_kv_cache_gib is not None else []), *media]
 
 
 def nvme_host_dir(w: PoolWorkload) -> str:

@@ -62,6 +62,9 @@ class GatewayWorkload:
     fair_queuing: FairQueuingOrder | None = None
     engine_in_flight_per_replica: int | None = None
     queue_timeout_s: float | None = None
+    #: Hosts whose http(s) media URLs requests may carry (the chart's ``allowedMediaHosts``); empty: only
+    #: ``data:`` URLs.
+    allowed_media_domains: tuple[str, ...] = ()
 
 
 def gateway_engine_in_flight(engine_in_flight_per_replica: int, gateway_replicas: int) -> int:
@@ -99,6 +102,12 @@ def gateway_connection_args(g: GatewayWorkload) -> list[str]:
     return ["--max-connections-per-source", "0"] if proxied else []
 
 
+def gateway_media_args(g: GatewayWorkload) -> list[str]:
+    """``--allowed-media-domains`` when the platform allows media hosts (the engines get the same list);
+    nothing otherwise: the gateway's default lets only ``data:`` URLs through."""
+    return ["--allowed-media-domains", ",".join(g.allowed_media_domains)] if g.allowed_media_domains else []
+
+
 def build_gateway_deployment(g: GatewayWorkload) -> Obj:
     name = gateway_name(g.model_deployment)
     labels = object_labels(g.model_deployment, "gateway")
@@ -124,6 +133,7 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
             str(GATEWAY_DRAIN_TIMEOUT_S),
             *gateway_fair_queuing_args(g),
             *gateway_connection_args(g),
+            *gateway_media_args(g),
         ],
         "ports": [
             {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},

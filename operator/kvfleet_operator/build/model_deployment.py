@@ -245,6 +245,7 @@ def build_desired_children(
     monitoring: bool = False,
     scrapers: MetricsScrapers | None = None,
     operator: OperatorPeer | None = None,
+    media_hosts: tuple[str, ...] = (),
 ) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, dedicated pools, and the
     shared pool's KV tier across replicas when ``spec.kvCache.shared`` enables it.
@@ -252,6 +253,8 @@ def build_desired_children(
     ``monitoring``: the cluster serves monitoring.coreos.com/v1, so add a ServiceMonitor and PodMonitor.
     ``scrapers``: who the NetworkPolicies admit to the metrics ports (default: ``MetricsScrapers()``);
     ``operator``: the operator's pods, admitted to the engines' metrics port to read their KV capacity.
+    ``media_hosts``: the hosts whose media URLs the gateway lets through and the engines fetch from (the
+    chart's ``allowedMediaHosts``; empty: only ``data:`` URLs).
     """
     namespace, name = str(md.metadata["namespace"]), str(md.metadata["name"])
     shared = shared_workload(md, images)
@@ -260,9 +263,11 @@ def build_desired_children(
     for decision in decisions:
         if decision.admitted and decision.pool != SHARED_POOL:
             workloads.append(_dedicated_workload(md, by_name[decision.name], decision.pool, images))
+    if media_hosts:
+        workloads = [replace(w, allowed_media_domains=media_hosts) for w in workloads]
     endpoints = {w.pool: PoolEndpoints(tuple(replica_endpoints(w, ENGINE_PORT))) for w in workloads}
     table = build_tenant_table(md, capacity, tenants, decisions, endpoints)
-    gateway = _gateway_workload(md, images)
+    gateway = replace(_gateway_workload(md, images), allowed_media_domains=media_hosts)
     children: list[Obj] = [
         build_config_map(md, table),
         build_keys_secret(md, keys),

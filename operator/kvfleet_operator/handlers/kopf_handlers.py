@@ -45,6 +45,7 @@ from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, Credentials, KubeClient
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
 from kvfleet_operator.k8s.leader import default_identity, user_agent
+from kvfleet_runtime.config import parse_media_hosts
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -64,6 +65,8 @@ MEMO_IDENTITY = "kvfleet_identity"
 #: JSON ``{"namespaceSelector": ..., "podSelector": ...}``: who may scrape metrics ports (chart value
 #: ``metricsScrapers``); unset: ``build.network.MetricsScrapers()``.
 METRICS_SCRAPERS_ENV = "KVFLEET_METRICS_SCRAPERS"
+#: Hosts whose media URLs the gateways and engines allow (the chart's ``allowedMediaHosts``, comma-separated).
+MEDIA_HOSTS_ENV = "KVFLEET_ALLOWED_MEDIA_HOSTS"
 #: The operator's own pods as a NetworkPolicy peer (the chart sets it from its release).
 OPERATOR_PEER_ENV = "KVFLEET_OPERATOR_PEER"
 #: Comma-separated exposure kinds the chart lets the operator manage (``Ingress``, ``HTTPRoute``; chart
@@ -171,6 +174,8 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         # A malformed value stops the start-up too: an allowlist with a typo must not silently allow less
         # or more than the platform meant.
         guardrails=parse_guardrails(os.environ.get(GUARDRAILS_ENV)),
+        # As strict: a host name with a typo must not silently allow another host.
+        media_hosts=parse_media_hosts(os.environ.get(MEDIA_HOSTS_ENV, "")),
     )
     memo["kvfleet"] = OperatorState(client, config)
 

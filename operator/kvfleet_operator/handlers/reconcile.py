@@ -125,6 +125,9 @@ class OperatorConfig:
     #: ``KVFLEET_GUARDRAILS``; ``build/guardrails.py``). The default allows only the operator's images,
     #: no host path, tuning flags, ClusterIP and Gateways in the ModelDeployment's own namespace.
     guardrails: Guardrails = field(default_factory=Guardrails)
+    #: Hosts whose http(s) media URLs the gateways let through and the engines fetch from (chart value
+    #: ``allowedMediaHosts``, ``KVFLEET_ALLOWED_MEDIA_HOSTS``); empty: only ``data:`` URLs.
+    media_hosts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -389,6 +392,7 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
         c.config.monitoring,
         c.config.metrics_scrapers,
         c.config.operator_peer,
+        c.config.media_hosts,
     )
     # An Ingress or HTTPRoute the operator may not manage or the cluster does not serve is left out (and
     # said so on the status), never a failed apply that would stop the rest of the reconcile.

@@ -15,7 +15,14 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
-from kvfleet_runtime.config import ENGINE_PORT, LMCACHE_HTTP_PORT, LMCACHE_PORT, KeyFile, TenantTable
+from kvfleet_runtime.config import (
+    ENGINE_PORT,
+    LMCACHE_HTTP_PORT,
+    LMCACHE_PORT,
+    KeyFile,
+    TenantTable,
+    parse_media_hosts,
+)
 from kvfleet_runtime.config_watch import RuntimeConfigWatcher
 from kvfleet_runtime.engine import launcher, model_source, restore_bench, shared_tier
 from kvfleet_runtime.engine import lmcache_sync as ls
@@ -140,6 +147,13 @@ def register(subparsers: Any) -> None:
     )
     launch.add_argument("--startup-timeout", type=float, default=900.0)
     launch.add_argument(
+        "--allowed-media-domains",
+        type=_media_hosts,
+        default=(),
+        help="Comma-separated hosts whose http(s) media URLs vLLM may fetch (exact names; the gateway's "
+        "list). By default none: vLLM fetches no URL but data: ones, and never follows a redirect.",
+    )
+    launch.add_argument(
         "--plugin-metrics-port",
         type=int,
         default=None,
@@ -238,6 +252,13 @@ async def _run_until_signal(
     )
 
 
+def _media_hosts(value: str) -> tuple[str, ...]:
+    try:
+        return parse_media_hosts(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     # Until the sync loop installs its own handler: unwind through ``finally`` so the children stop too.
     raise SystemExit(128 + signum)
@@ -252,7 +273,9 @@ def resolve_launch(args: argparse.Namespace, table: TenantTable) -> tuple[str, l
         if args.no_plugin
         else launcher.build_plugin_env(args.config, args.keys, pool, args.plugin_metrics_port)
     )
-    site = launcher.ReplicaSite(host=args.host, env=plugin_env)
+    site = launcher.ReplicaSite(
+        host=args.host, env=plugin_env, allowed_media_domains=args.allowed_media_domains
+    )
     if args.gpu:
         site = dataclasses.replace(site, cpu_kv_cache_gib=None)
     elif args.cpu_kv_gib is not None:

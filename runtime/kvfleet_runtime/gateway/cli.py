@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from kvfleet_runtime.config import GATEWAY_METRICS_PORT, GATEWAY_PORT
+from kvfleet_runtime.config import GATEWAY_METRICS_PORT, GATEWAY_PORT, parse_media_hosts
 from kvfleet_runtime.config_watch import describe_error
 from kvfleet_runtime.gateway.server import GatewaySettings, serve
 from kvfleet_runtime.gateway.state import load_snapshot
@@ -37,12 +37,11 @@ def _non_negative_int(value: str) -> int:
 
 
 def _host_list(value: str) -> frozenset[str]:
-    """``--allowed-media-domains``: comma-separated host names (lower-cased; empty: none)."""
-    hosts = frozenset(h.strip().lower() for h in value.split(",") if h.strip())
-    for host in hosts:
-        if not all(c.isalnum() or c in ".-" for c in host) or not host.isascii():
-            raise argparse.ArgumentTypeError(f"wants host names separated by commas, got {host!r}")
-    return hosts
+    """``--allowed-media-domains``: comma-separated host names (``config.parse_media_hosts``)."""
+    try:
+        return frozenset(parse_media_hosts(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _replicas(value: str) -> int:
