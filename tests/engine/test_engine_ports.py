@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import LOOPBACK, LaunchedEngine, http_json
 from kvfleet_runtime.engine.metrics import METRICS_UPSTREAM_UP, POOL_BLOCKS
+from kvfleet_runtime.engine.salt_labels import SALT_LABEL, salt_hash
 
 #: The shared launched engine plays the pod (tests/engine_fixtures.py: ``launched_engine``).
 Pod = LaunchedEngine
@@ -124,7 +125,7 @@ def test_the_metrics_port_serves_vllms_lmcaches_the_syncs_and_the_plugins_series
 
     def salt_lookups(f: dict[str, list[tuple[dict[str, str], float]]]) -> float:
         series = f.get("lmcache_mp_lookup_requested_tokens", [])
-        return sum(v for labels, v in series if labels.get("cache_salt") == pod.salt)
+        return sum(v for labels, v in series if labels.get(SALT_LABEL) == salt_hash(pod.salt))
 
     body = {
         "model": pod.served_model_name,

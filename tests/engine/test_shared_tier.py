@@ -25,6 +25,7 @@ from engine_fixtures import ENGINE_TIMEOUT, LMCacheServer, VllmServer, http_text
 from factories import free_port
 from kvfleet_runtime.config import derive_cache_salt, dump_json
 from kvfleet_runtime.engine.launcher import EngineProcess
+from kvfleet_runtime.engine.salt_labels import salt_hash
 
 _seeds = itertools.count(9100)
 SALT_KEY = bytes.fromhex(SALT_KEY_HEX)
@@ -64,10 +65,12 @@ class SharedPool:
         return total
 
     def resident(self, salt: str) -> float:
-        return self.series("kvfleet_shared_tier_bytes", cache_salt=salt)
+        return self.series("kvfleet_shared_tier_bytes", salt_hash=salt_hash(salt))
 
     def requests(self, salt: str, op: str, result: str) -> float:
-        return self.series("kvfleet_shared_tier_requests_total", cache_salt=salt, op=op, result=result)
+        return self.series(
+            "kvfleet_shared_tier_requests_total", salt_hash=salt_hash(salt), op=op, result=result
+        )
 
 
 def cached(server: VllmServer, prompt: str, salt: str) -> int:
@@ -152,18 +155,19 @@ def test_a_salted_prefix_is_never_a_hit_for_another_salt(pool: SharedPool) -> No
 
 def test_a_salts_quota_in_the_shared_tier_is_enforced(pool: SharedPool) -> None:
     salt, kept = salt_of("sq"), salt_of("sa")
-    assert pool.series("kvfleet_shared_tier_quota_bytes", cache_salt=salt) == QUOTA_BYTES
+    assert pool.series("kvfleet_shared_tier_quota_bytes", salt_hash=salt_hash(salt)) == QUOTA_BYTES
     kept_before = pool.resident(kept)
     assert kept_before > 0
     # Four distinct ~1,400-token prompts: 20 chunks offered against a 3-chunk quota, from both replicas.
     for server in (pool.a, pool.b, pool.a, pool.b):
         cached(server, make_prompt(next(_seeds)), salt)
     assert wait_until(lambda: pool.requests(salt, "set", "stored") >= 20)
-    assert wait_until(lambda: pool.series("kvfleet_shared_tier_evictions_total", cache_salt=salt) >= 15)
+    evictions = "kvfleet_shared_tier_evictions_total"
+    assert wait_until(lambda: pool.series(evictions, salt_hash=salt_hash(salt)) >= 15)
     for _ in range(3):  # settled over several cycles, not a lucky sample
         assert 0 < pool.resident(salt) <= QUOTA_BYTES
         time.sleep(1.0)
-    assert pool.series("kvfleet_shared_tier_evictions_total", cache_salt=kept) == 0
+    assert pool.series("kvfleet_shared_tier_evictions_total", salt_hash=salt_hash(kept)) == 0
     assert pool.resident(kept) == kept_before, "another salt's chunks never pay for this salt's overflow"
 
 

@@ -13,7 +13,9 @@ files change) and exports per-salt series on LMCache's own Prometheus endpoint:
   ``over_quota``, ``lru``);
 * ``kvfleet_lmcache_l1_tenant_table_reloads_total{result}``.
 
-``lmcache_sync`` maps salts to tenants. Without that environment this is stock ``lmcache server``.
+``lmcache_sync`` maps salts to tenants. LMCache's endpoint binds the pod's loopback only; the pod's metrics
+port re-exports these series with ``salt_hash`` in place of ``cache_salt`` (``salt_labels``: a salt is never
+published). Without that environment this is stock ``lmcache server``.
 Supports exactly LMCache 0.5.6 (the L1 listener and controller interfaces are internal) and refuses to
 start on another version rather than run ungoverned.
 """

@@ -24,11 +24,12 @@ cleaned up by vLLM, with per-release gauge modes). ``/metrics`` is vLLM's public
 names, labels and values Prometheus read before, with any number of API servers, and a failed read says
 so (``up`` 0) instead of serving stale files.
 
-Merging: families keep their names, labels and values. A family name already served (the plugin's first,
-then the upstreams in order) is dropped from a later upstream, so the exposition never repeats a family
-(``process_*``/``python_*`` are those of the first upstream that has them: vLLM's API server). An
-upstream that does not answer within ``UPSTREAM_TIMEOUT_S``, answers more than ``MAX_UPSTREAM_BYTES``
-or does not parse contributes nothing but ``up`` 0; everything else is still served.
+Merging: families keep their names, labels and values, but for LMCache's ``cache_salt`` label, which
+becomes ``salt_hash`` (``engine.salt_labels``: a salt is never published). A family name already served
+(the plugin's first, then the upstreams in order) is dropped from a later upstream, so the exposition never
+repeats a family (``process_*``/``python_*`` are those of the first upstream that has them: vLLM's API
+server). An upstream that does not answer within ``UPSTREAM_TIMEOUT_S``, answers more than
+``MAX_UPSTREAM_BYTES`` or does not parse contributes nothing but ``up`` 0; everything else is still served.
 
 **``/debug/kv``** (the plugin's snapshot and vLLM's own block counts, counted from its data structures in
 O(blocks); for tests and operators) is routed only on sockets bound to a loopback address: the metrics
@@ -57,6 +58,7 @@ from prometheus_client.registry import Collector
 
 from kvfleet_runtime.engine.metrics import METRICS_UPSTREAM_UP, PoolSnapshot, build_metric_families
 from kvfleet_runtime.engine.plugin_config import ENGINE_LOGGER, MetricsUpstream, is_loopback_host
+from kvfleet_runtime.engine.salt_labels import hash_salt_labels
 
 __all__ = [
     "LOOPBACK",
@@ -129,8 +131,9 @@ def _parse(text: str | None) -> list[Metric] | None:
 
 def merge_families(own: Iterable[Metric], upstreams: Sequence[tuple[str, str | None]]) -> list[Metric]:
     """One exposition's families: ``own`` first, then each upstream's (``(name, text or None)``) in order,
-    a family name served once only; plus ``kvfleet_engine_metrics_upstream_up`` when there are upstreams
-    (1: its text parsed, 0: it could not be read or parsed). Pure."""
+    a family name served once only, ``cache_salt`` labels hashed (``salt_labels.hash_salt_labels``); plus
+    ``kvfleet_engine_metrics_upstream_up`` when there are upstreams (1: its text parsed, 0: it could not be
+    read or parsed). Pure."""
     out = list(own)
     seen = {family.name for family in out} | {METRICS_UPSTREAM_UP}
     up = GaugeMetricFamily(
@@ -144,7 +147,7 @@ def merge_families(own: Iterable[Metric], upstreams: Sequence[tuple[str, str | N
         for family in families or []:
             if family.name not in seen:
                 seen.add(family.name)
-                out.append(family)
+                out.append(hash_salt_labels(family))  # LMCache's cache_salt: never the salt itself
     if upstreams:
         out.append(up)
     return out

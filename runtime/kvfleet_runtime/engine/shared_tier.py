@@ -23,10 +23,11 @@ Isolation: LMCache puts the ``cache_salt`` in every key (``<model>@<rank>@<group
 salt can never read another's chunk; the tier's port is reachable only from the pool's engine pods
 (``NetworkPolicy``, ``kvfleet_operator.build.network``).
 
-Metrics (``--metrics-port``, Prometheus; no KV on that port): ``kvfleet_shared_tier_bytes{cache_salt}``,
-``kvfleet_shared_tier_quota_bytes{cache_salt}``, ``kvfleet_shared_tier_burst_bytes{cache_salt}``,
-``kvfleet_shared_tier_evictions_total{cache_salt,reason}``, ``kvfleet_shared_tier_requests_total
-{cache_salt,op,result}`` (``op`` get/exists/set; ``result`` hit/miss/stored/refused).
+Metrics (``--metrics-port``, Prometheus; no KV on that port): ``kvfleet_shared_tier_bytes{salt_hash}``,
+``kvfleet_shared_tier_quota_bytes{salt_hash}``, ``kvfleet_shared_tier_burst_bytes{salt_hash}``,
+``kvfleet_shared_tier_evictions_total{salt_hash,reason}``, ``kvfleet_shared_tier_requests_total
+{salt_hash,op,result}`` (``op`` get/exists/set; ``result`` hit/miss/stored/refused). A salt is never a label
+value, only its ``salt_labels.salt_hash``: the salt is what confines a request to its tenant's KV.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvfleet_runtime.config import SHARED_TIER_METRICS_PORT, SHARED_TIER_PORT
 from kvfleet_runtime.config_watch import RuntimeConfig, RuntimeConfigWatcher
 from kvfleet_runtime.engine.governor_metrics import GovernorMetrics
 from kvfleet_runtime.engine.l1_governance import L1Governor, L1Limits, compute_l1_limits
+from kvfleet_runtime.engine.salt_labels import SALT_LABEL, salt_hash
 
 __all__ = ["MAX_KEY_BYTES", "MAX_VALUE_BYTES", "SharedTierStore", "salt_of_key", "serve"]
 
@@ -71,11 +73,11 @@ class SharedTierMetrics(GovernorMetrics):
     requests by salt, operation and result."""
 
     def __init__(self) -> None:
-        super().__init__("kvfleet_shared_tier", "the shared tier", "Chunks")
+        super().__init__("kvfleet_shared_tier", "the shared tier", "Chunks", hashed=True)
         self.requests = Counter(
             "kvfleet_shared_tier_requests",
-            "Requests by salt, operation and result.",
-            ["cache_salt", "op", "result"],
+            "Requests by salt (its salt_hash), operation and result.",
+            [SALT_LABEL, "op", "result"],
         )
 
 
@@ -96,7 +98,7 @@ class SharedTierStore:
 
     def _count(self, salt: str, op: str, result: str) -> None:
         if self.metrics is not None:
-            self.metrics.requests.labels(salt, op, result).inc()
+            self.metrics.requests.labels(salt_hash(salt), op, result).inc()
 
     def _allowed(self, salt: str) -> bool:
         return salt in self.governor.limits.per_salt
