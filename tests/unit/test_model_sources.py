@@ -124,7 +124,10 @@ def test_hugging_face_is_fetched_by_an_init_container_into_an_emptydir() -> None
     (fetch,) = pod["initContainers"]
     assert fetch["command"][:3] == ["kvfleet", "engine", "fetch-model"]
     assert fetch["command"][-2:] == ["--model-cache", MODEL_CACHE_MOUNT]
-    assert fetch["envFrom"] == [{"secretRef": {"name": "hf"}}]
+    # Only the keys a download reads, by name: another key of the Secret (LD_PRELOAD) never comes in.
+    assert "envFrom" not in fetch
+    creds = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in fetch["env"] if "valueFrom" in e}
+    assert creds == {k: {"name": "hf", "key": k, "optional": True} for k in ("HF_TOKEN", "HF_ENDPOINT")}
     assert fetch["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
     engine = _engine(pod)
@@ -134,6 +137,7 @@ def test_hugging_face_is_fetched_by_an_init_container_into_an_emptydir() -> None
     assert mount["readOnly"] is True
     # The token reaches only the step that downloads: the engine runs offline and never reads it.
     assert "envFrom" not in engine
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in engine["env"])
 
 
 def test_a_cache_claim_is_shared_by_the_replicas() -> None:
@@ -146,17 +150,32 @@ def test_s3_credentials_are_the_engines_environment() -> None:
     pod = _pod(_md({"uri": "s3://models/qwen", "credentialsSecretRef": {"name": "s3"}}))
     assert "initContainers" not in pod
     engine = _engine(pod)
-    assert engine["envFrom"][0] == {"secretRef": {"name": "s3"}}
+    assert "envFrom" not in engine
+    creds = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in engine["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert creds["AWS_ACCESS_KEY_ID"] == {"name": "s3", "key": "AWS_ACCESS_KEY_ID", "optional": True}
+    assert set(creds) == {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+    }
     assert "--model-cache" not in engine["command"]
 
 
-def test_s3_credentials_come_before_the_templates_env_from() -> None:
+def test_s3_credentials_are_env_and_win_over_the_templates_env_from() -> None:
+    """Credentials are ``env`` (Kubernetes gives it precedence over ``envFrom``): a template's ConfigMap
+    cannot replace them."""
     template = {"envFrom": [{"prefix": "TUNING_", "configMapRef": {"name": "tuning"}}]}
     pod = _pod(_md({"uri": "s3://models/qwen", "credentialsSecretRef": {"name": "s3"}}, podTemplate=template))
-    assert _engine(pod)["envFrom"] == [
-        {"secretRef": {"name": "s3"}},
-        {"prefix": "TUNING_", "configMapRef": {"name": "tuning"}},
-    ]
+    engine = _engine(pod)
+    assert engine["envFrom"] == [{"prefix": "TUNING_", "configMapRef": {"name": "tuning"}}]
+    assert "AWS_ACCESS_KEY_ID" in {e["name"] for e in engine["env"]}
 
 
 def test_gcs_credentials_are_a_mounted_key_file() -> None:

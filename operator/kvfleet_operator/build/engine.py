@@ -96,6 +96,26 @@ MODEL_CACHE_MOUNT = "/model-cache"
 MODEL_CREDENTIALS_MOUNT = "/var/run/secrets/kvfleet/model-credentials"
 #: The key of a gs:// credentials Secret: a service account key file.
 GCS_CREDENTIALS_KEY = "credentials.json"
+#: The keys of a credentials Secret that become environment variables, by source (docs/operations.md,
+#: "Model sources"). Named one by one (optional secretKeyRefs), never the whole Secret as envFrom: a key
+#: named LD_PRELOAD, PYTHONPATH or LMCACHE_* would reach the step that reads the weights, or the engine.
+HF_CREDENTIAL_KEYS = ("HF_TOKEN", "HF_ENDPOINT")
+S3_CREDENTIAL_KEYS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
+
+
+def credential_env(secret: str, keys: tuple[str, ...]) -> list[Obj]:
+    """``keys`` of Secret ``secret`` as environment variables of the same names, each optional."""
+    return [
+        {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+        for key in keys
+    ]
 
 
 @dataclass(frozen=True)
@@ -310,9 +330,10 @@ def _add_model_source(w: PoolWorkload, engine: Obj, volumes: list[Obj]) -> list[
     """Wire the model source into the pod; return its init containers.
 
     Hugging Face: ``kvfleet engine fetch-model`` downloads into the model cache (the shared claim or an
-    emptyDir) with the credentials Secret as its environment (HF_TOKEN, HF_ENDPOINT); the engine mounts
+    emptyDir) with the credentials Secret's HF_TOKEN and HF_ENDPOINT as its environment; the engine mounts
     the cache read-only and loads the fetched folder offline. Object storage: the engine itself reads the
-    Secret (s3:// as environment, gs:// as a key file), since vLLM streams the weights at load.
+    Secret (s3://: its AWS_* keys as environment; gs://: a key file), since vLLM streams the weights at
+    load. Only those keys, by name: the Secret's other keys never become environment.
     """
     secret = w.credentials_secret
     if w.model_fetch is None:
@@ -328,7 +349,7 @@ def _add_model_source(w: PoolWorkload, engine: Obj, volumes: list[Obj]) -> list[
                 }
             )
         elif secret is not None:
-            engine["envFrom"] = [{"secretRef": {"name": secret}}]
+            engine["env"].extend(credential_env(secret, S3_CREDENTIAL_KEYS))
         return []
     claim = w.model_fetch.cache_claim
     volumes.append(
@@ -356,7 +377,7 @@ def _add_model_source(w: PoolWorkload, engine: Obj, volumes: list[Obj]) -> list[
         "volumeMounts": [*_config_mounts(), {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}],
     }
     if secret is not None:
-        fetch["envFrom"] = [{"secretRef": {"name": secret}}]
+        fetch["env"].extend(credential_env(secret, HF_CREDENTIAL_KEYS))
     return [fetch]
 
 
