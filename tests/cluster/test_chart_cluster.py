@@ -177,6 +177,8 @@ def installed(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFacto
     done = helm(
         full_cluster, "install", RELEASE, str(CHART), "-n", release_ns, "--wait", "--timeout", "180s",
         "--set", f"operator.watchNamespaces={{{workload_ns}}}",
+        # The platform binds the example bank's GPU group to it (a group nobody bound builds no pool).
+        "--set", f"dedicatedGpuGroups.owners.bank-h200={workload_ns}/bank",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "examples/modeldeployment-qwen72b.yaml" in done.stdout  # NOTES
