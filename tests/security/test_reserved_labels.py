@@ -67,6 +67,8 @@ MD = "tiny"
 POD_POLICY = f"{RELEASE}-reserved-labels-pods"
 WORKLOAD_POLICY = f"{RELEASE}-reserved-labels-workloads"
 REFUSED = "labels reserved for kvfleet's own pods"
+#: The template annotation ``kubectl rollout restart`` sets.
+RESTARTED_AT = "kubectl.kubernetes.io/restartedAt"
 #: A loopback address of this machine no other test serves on: the impostor engine pod's "IP".
 IMPOSTOR_IP = "127.0.0.23"
 
@@ -370,7 +372,8 @@ def test_a_workload_whose_pods_would_wear_kvfleets_labels_is_refused(
 def test_labels_cannot_be_added_to_a_running_pod_or_the_operators_workload_changed(served: Setup) -> None:
     """Attack: an ordinary pod relabelled as the gateway afterwards (labels are mutable); the operator's
     engine StatefulSet's template edited by hand. Both refused; other label changes stay allowed (the
-    controllers make them), on the ordinary pod and on kvfleet's own pods alike."""
+    controllers make them), on the ordinary pod and on kvfleet's own pods alike, and so does a
+    ``kubectl rollout restart`` of kvfleet's StatefulSet (its restartedAt annotation, nothing else)."""
     s = served
     status, body = _post(s.plane, _pod(s.ns, "ordinary", {"app": "mine"}))
     assert status == 201, body
@@ -394,6 +397,15 @@ def test_labels_cannot_be_added_to_a_running_pod_or_the_operators_workload_chang
     status, body = s.plane.request("PATCH", sts, edit, content_type=merge)
     assert status == 403 and _refused_by(body, WORKLOAD_POLICY), (status, body)
     assert s.plane.request("PATCH", sts, {"metadata": {"labels": {"x": "y"}}}, content_type=merge)[0] == 200
+    # What `kubectl rollout restart` writes stays allowed: a rolling restart of kvfleet's own pods.
+    restart = {"spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: "2026-01-01T00:00:00Z"}}}}}
+    status, body = s.plane.request("PATCH", sts, restart, content_type=merge)
+    assert status == 200, body
+    both = {
+        "spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: "2026-01-02T00:00:00Z", "x": "y"}}}}
+    }
+    status, body = s.plane.request("PATCH", sts, both, content_type=merge)
+    assert status == 403 and _refused_by(body, WORKLOAD_POLICY), (status, body)
 
 
 def test_no_ephemeral_container_joins_a_kvfleet_pod(served: Setup) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvfleet_operator.api import ModelDeployment
 from kvfleet_operator.api.modeldeployment import KvCapacityStatus
@@ -38,6 +38,7 @@ from kvfleet_operator.build.tenant_table import PoolCapacity
 Obj = dict[str, Any]
 
 _MIB = 1 << 20
+_Pod = TypeVar("_Pod", bound=Mapping[str, Any])
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def _controller_uid(obj: Mapping[str, Any], kind: str) -> str | None:
 
 
 def owned_engine_pods(
-    pods: Sequence[Mapping[str, Any]], statefulsets: Sequence[Mapping[str, Any]], model_deployment_uid: str
-) -> list[Mapping[str, Any]]:
+    pods: Sequence[_Pod], statefulsets: Sequence[Mapping[str, Any]], model_deployment_uid: str
+) -> list[_Pod]:
     """The pods whose controller is one of the ModelDeployment's StatefulSets (each controlled by the
     ModelDeployment), matched by UID, never by name or label.
 
