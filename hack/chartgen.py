@@ -233,7 +233,8 @@ watched namespaces, keep every other pod from wearing those labels (`app.kuberne
 only the StatefulSet and ReplicaSet controllers (`reservedLabels.podCreators`) create such pods, only
 the operator's ServiceAccount (and the Deployment controller, `reservedLabels.workloadCreators`) such
 workloads, no update adds or changes them, and no such pod takes an ephemeral container. Editing the
-pod template of kvfleet's own workloads by hand is refused too (the operator would revert it anyway).
+pod template of kvfleet's own workloads by hand is refused too (the operator would revert it anyway),
+but for `kubectl rollout restart` (its `restartedAt` annotation alone).
 
 The operator keeps the master key every ModelDeployment's cache salts derive from in the Secret
 `<release>-salt-master` of the release namespace (`KVFLEET_SALT_SECRET`); it creates it on first start.

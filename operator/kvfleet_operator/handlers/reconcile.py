@@ -73,6 +73,7 @@ from kvfleet_operator.reconcile.capacity import (
     effective_capacity,
     engine_metrics_targets,
     explain_capacity_below_plan,
+    owned_engine_pods,
 )
 from kvfleet_operator.reconcile.conditions import DEGRADED, ConditionUpdate, now_rfc3339
 from kvfleet_operator.reconcile.node_loss import (
@@ -500,8 +501,12 @@ async def replace_lost_engine_pods(client: KubeClient, c: Cycle) -> None:
     node_loss = c.md.spec.pool.node_loss
     nvme = c.md.spec.kv_cache.nvme
     node_ready = None if c.nodes is None else {str(n["metadata"]["name"]): _node_ready(n) for n in c.nodes}
+    # Only the pods the ModelDeployment's StatefulSets control, by UID: a pod that wears the engine labels
+    # is not force-deleted for it (``reconcile/capacity.owned_engine_pods``).
+    pools = [o for o in c.children if o.get("kind") == "StatefulSet"]
+    md_uid = str((c.raw_md or {}).get("metadata", {}).get("uid", ""))
     lost = decide_lost_engine_pods(
-        c.engine_pods,
+        owned_engine_pods(c.engine_pods, pools, md_uid),
         datetime.now(UTC),
         node_loss.replace,
         parse_duration(node_loss.after),
