@@ -10,24 +10,35 @@ Services or NetworkPolicies, names one so that a child's name is an object that 
 NetworkPolicy and Service would get the attacker's selector: the bank's dedicated engines reachable from
 the attacker's gateway, the bank's gateway without replicas.
 
-Defence under test: the operator writes only objects its ModelDeployment already controls (a controller
-owner reference with its uid) or that do not exist yet (``reconcile/ownership.py``, step ``claim_names``).
-A name in use by anything else is reported (``NameInUse``, naming the object and who owns it) and nothing
-is written: for the ModelDeployment's own objects the whole reconcile stops; for a dedicated tenant's
-pool only that tenant is left out. The objects in the way keep their resourceVersion: not a byte changed.
+Defences under test: the operator writes only objects their owner already controls (a controller owner
+reference with its uid: the ModelDeployment, or the Tenant of a dedicated pool) or that do not exist yet
+(``reconcile/ownership.py``, step ``claim_names``). A name in use by anything else is reported
+(``NameInUse``, naming the object and who owns it) and nothing is written: for the ModelDeployment's own
+objects the whole reconcile stops; for a dedicated tenant's pool only that tenant is left out. The objects
+in the way keep their resourceVersion: not a byte changed. And the chart's admission policy
+(``templates/model-deployment-names.yaml``) refuses creating a ModelDeployment whose name could collide
+with another's pools (``-dedicated-`` inside, or ``-dedicated`` at the end), the only way two
+ModelDeployments' children can share a name; the ModelDeployments the earlier tests create stand for ones
+created before the policy (an upgrade): they keep working, with ``NameInUse`` where they collide.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from devcluster import ControlPlane
+from cluster_helpers import wait_for
+from devcluster import ControlPlane, find_binary
 
+from components import missing_component
 from kvfleet_operator.api import reasons
+from kvfleet_operator.build.common import SHARED_POOL, engine_name
+from kvfleet_operator.build.tenant_table import dedicated_pool_name
 from operator_support import (
     API,
     condition,
@@ -257,3 +268,72 @@ def test_an_object_wearing_the_labels_is_neither_adopted_nor_pruned(
     assert not [d for d in result.deleted if "someone-elses" in d], result.deleted
     live = get(plane, f"/api/v1/namespaces/{ns}/configmaps/someone-elses")
     assert live["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfleet"
+NAMES_POLICY = "kvfleet-names-model-deployment-names"
+
+
+def _run(plane: ControlPlane, tool: str, *args: str, stdin: str | None = None) -> str:
+    path = find_binary(tool)
+    if path is None:
+        missing_component(tool, "hack/build-cluster.sh")
+    done = subprocess.run(
+        [str(path), *args],
+        env=plane.env(),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _create_dry_run(plane: ControlPlane, namespace: str, name: str) -> tuple[int, Any]:
+    path = f"{API}/namespaces/{namespace}/modeldeployments?dryRun=All"
+    status, body = plane.request("POST", path, _model_deployment(namespace, name))
+    return int(status), body
+
+
+def test_the_chart_refuses_a_new_model_deployment_whose_pools_could_take_anothers_names(
+    api_cluster: ControlPlane, bank: str
+) -> None:
+    """Attack, through the API server: create ``qwen72b-dedicated-bank`` (its shared pool would be
+    ``qwen72b``'s pool for ``bank``) or ``qwen72b-dedicated`` (its pool for tenant ``t`` would be
+    ``qwen72b``'s for tenant ``dedicated-t``). The chart's policy refuses both on create, naming the field;
+    ordinary names pass; the ModelDeployments created before the policy (the earlier tests) can still be
+    changed (an upgrade renames nothing and breaks nothing)."""
+    plane, ns = api_cluster, bank
+    # The Python naming and the policy's rule describe the same collision.
+    assert engine_name("qwen72b-dedicated-bank", SHARED_POOL) == engine_name(
+        "qwen72b", dedicated_pool_name("bank")
+    )
+    assert engine_name("x-dedicated", dedicated_pool_name("t")) == engine_name(
+        "x", dedicated_pool_name("dedicated-t")
+    )
+    template = "templates/model-deployment-names.yaml"
+    rendered = _run(plane, "helm", "template", "kvfleet-names", str(CHART), "-s", template)
+    _run(plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered)
+    try:
+        wait_for(
+            lambda: _create_dry_run(plane, ns, "probe-dedicated-x")[0] == 422,
+            timeout=60,
+            what="the ModelDeployment name policy in force",
+        )
+        for name in ("qwen72b-dedicated-bank", "qwen72b-dedicated", "a-dedicated-b-c"):
+            status, body = _create_dry_run(plane, ns, name)
+            message = str((body or {}).get("message", ""))
+            assert status == 422 and f"ValidatingAdmissionPolicy '{NAMES_POLICY}'" in message, (status, body)
+            assert f"metadata.name: {name} contains -dedicated-" in message, message
+        for name in ("dedicated-qwen72b", "qwen72b-dedicatedpool", "qwen72b-eu"):
+            status, body = _create_dry_run(plane, ns, name)
+            assert status == 201, body
+        # Created before the policy: still served and still editable (an update is never checked).
+        path = f"{API}/namespaces/{ns}/modeldeployments/qwen72b-dedicated-bank"
+        patch = {"spec": {"gateway": {"replicas": 1}}}
+        status, body = plane.request("PATCH", path, patch, content_type="application/merge-patch+json")
+        assert status == 200, body
+    finally:
+        _run(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
