@@ -4,8 +4,9 @@ write.
 
 The reconcile is the one every kopf handler calls, in process, with the operator's real engine reader.
 The API tier runs no kubelet, so no engine answers here: an engine pod is created as the API server would
-list it once Ready (its IP this machine's loopback, where nothing serves the metrics port), so the reader
-is asked and gets nothing, and the figure an earlier reconcile recorded in ``status.kvCapacity`` is what
+list it once Ready (its IP this machine's loopback, where nothing serves the metrics port). No StatefulSet
+controls it, so the reader does not even ask it (``reconcile/capacity.owned_engine_pods``; asked, it would
+answer nothing), and the figure an earlier reconcile recorded in ``status.kvCapacity`` is what
 stands (the rule for "no engine readable now"). That figure is written the way the operator writes it
 (server-side apply of the status, with its field manager). Reading a live engine's figure is proven on
 the engine tier (``tests/engine/test_engine_capacity_live.py``).
