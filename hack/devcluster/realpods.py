@@ -136,14 +136,18 @@ def create_namespace(plane: Any, name: str, labels: Mapping[str, str] | None = N
         raise KubeError(f"creating namespace {name}: {status} {payload}")
 
 
-def helm_install(plane: Any, watch_namespaces: Sequence[str], timeout: str = "300s") -> None:
+def helm_install(
+    plane: Any, watch_namespaces: Sequence[str], timeout: str = "300s", values: Sequence[str] = ()
+) -> None:
     """``helm upgrade --install`` of charts/kvfleet with its default images (what ``make images`` tagged)
-    and the operator watching ``watch_namespaces`` (they must exist: the chart binds a Role in each)."""
+    and the operator watching ``watch_namespaces`` (they must exist: the chart binds a Role in each);
+    ``values``: more ``--set`` values, as a platform team sets them (e.g. ``guardrails.serviceTypes``)."""
     helm = str(binaries.require_binary("helm"))
+    more = [arg for value in values for arg in ("--set", value)]
     out = subprocess.run(
         [helm, "upgrade", "--install", RELEASE, str(REPO / "charts/kvfleet"), "--namespace", RELEASE_NS,
          "--create-namespace", "--set", f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
-         "--wait", "--timeout", timeout],
+         *more, "--wait", "--timeout", timeout],
         env=plane.env(), capture_output=True, text=True, check=False,
     )  # fmt: skip
     if out.returncode != 0:

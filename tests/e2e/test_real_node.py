@@ -159,7 +159,9 @@ def test_helm_install_runs_the_operator_image_with_probes_passing(plane: Control
     # The chart's default scope is the release namespace; the tenants' namespace is watched by name (it
     # must exist first: the chart binds a Role there) and enforces the `restricted` Pod Security Standard.
     create_namespace(plane, NS, RESTRICTED)
-    helm_install(plane, [NS])
+    # The platform lets its teams expose a gateway on a NodePort (test_a_tenant_streams_from_outside...):
+    # the chart's guardrails allow ClusterIP Services only unless it says so.
+    helm_install(plane, [NS], values=["guardrails.serviceTypes={ClusterIP,NodePort}"])
     deployment = kube(plane, "GET", f"/apis/apps/v1/namespaces/{RELEASE_NS}/deployments/{RELEASE}")
     replicas = deployment["spec"]["replicas"]
     assert replicas >= 1 and deployment["status"].get("readyReplicas") == replicas, deployment["status"]
