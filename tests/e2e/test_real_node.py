@@ -322,6 +322,19 @@ def test_a_tenant_streams_from_outside_the_cluster_through_a_node_port(plane: Co
     finally:
         kube(plane, "PATCH", path, exposed_as("ClusterIP"), patch)
 
+        def rolled_back() -> bool:
+            # The gateway's arguments follow the exposure (no bound per source address behind a NodePort),
+            # so the flip rolls its pods twice: wait until only pods of the ClusterIP spec are left.
+            deployment = kube(plane, "GET", f"/apis/apps/v1/namespaces/{NS}/deployments/{MD}-gateway")
+            args = deployment["spec"]["template"]["spec"]["containers"][0].get("args", [])
+            status = deployment.get("status", {})
+            settled = status.get("observedGeneration", 0) >= deployment["metadata"]["generation"] and (
+                status.get("replicas") == status.get("updatedReplicas") == status.get("readyReplicas")
+            )
+            return "--max-connections-per-source" not in args and settled
+
+        wait_for(rolled_back, "the gateway back on its ClusterIP spec, rolled out", 180, plane)
+
 
 def test_prometheus_discovers_every_pod_and_scrapes_per_tenant_series(
     plane: ControlPlane, tmp_path: Path
@@ -349,10 +362,15 @@ def test_prometheus_discovers_every_pod_and_scrapes_per_tenant_series(
         assert f"{_engine_ip(plane)}:{PLUGIN_METRICS_PORT}" in {r["metric"]["instance"] for r in targets}
         table, keys = _keys_and_table(plane)
         salted = {t for t, e in table.tenants.items() if e.isolation.value == "salted"}
-        # Per-tenant series from each component: the gateway's requests for every tenant (the traffic test
-        # sent them); the engine's block-pool quotas (the plugin) and LMCache quotas (the quota sync,
-        # re-exported by the engine's one metrics port) for every salted tenant (shared tenants' blocks
-        # carry their pool's salt, so the engine cannot tell them apart); the operator's tenant count.
+        # One request per tenant through the gateway Service, so the gateway pod serving now counts each
+        # (the exposure test before this one rolled the gateway, and a new pod starts its counters at zero).
+        url = gateway_service_url(plane, NS)
+        for tenant, key in keys.items():
+            _complete(url, table.served_model_name, key, _words(f"prometheus {tenant}", 8))
+        # Per-tenant series from each component: the gateway's requests for every tenant; the engine's
+        # block-pool quotas (the plugin) and LMCache quotas (the quota sync, re-exported by the engine's one
+        # metrics port) for every salted tenant (shared tenants' blocks carry their pool's salt, so the
+        # engine cannot tell them apart); the operator's tenant count.
         for metric, component, tenants in (
             ("kvfleet_gateway_requests_total", "gateway", set(keys)),
             ("kvfleet_engine_kv_quota_blocks", "engine", salted),
