@@ -9,6 +9,7 @@ fixture of their own where the scope, the name prefix or what goes in differs.
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from devcluster import ControlPlane
+from devcluster import ControlPlane, find_binary
+
+from components import missing_component
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO / "crds"
@@ -157,3 +160,24 @@ def pinned_kubernetes_version() -> str:
     match = re.search(r"^K8S_VERSION=(v[0-9.]+)$", text, re.MULTILINE)
     assert match, "K8S_VERSION not found in hack/build-cluster.sh"
     return match.group(1)
+
+
+def run_tool(
+    plane: ControlPlane, name: str, *args: str, stdin: str | None = None, timeout: float = 180
+) -> str:
+    """Run a provisioned tool (``kubectl``, ``helm``) against ``plane`` and return its output; a failure
+    fails the test with the tool's output, a missing tool names the command that provisions it."""
+    path = find_binary(name)
+    if path is None:
+        missing_component(name, "hack/build-cluster.sh")
+    done = subprocess.run(
+        [str(path), *args],
+        env=plane.env(),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout

@@ -27,7 +27,6 @@ import asyncio
 import base64
 import copy
 import secrets
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -36,11 +35,10 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
-from devcluster import ControlPlane, find_binary
+from cluster_helpers import apply_crds, create_namespace, delete_namespace, run_tool, wait_for
+from devcluster import ControlPlane
 from test_operator_reconcile import CONFIG, condition, create, get, load_example, provision_local_nvme, tenant
 
-from components import missing_component
 from kvfleet_operator.api import reasons
 from kvfleet_operator.build.gpu_groups import GroupBinding
 from kvfleet_operator.handlers.reconcile import OperatorConfig, ReconcileResult, reconcile_model_deployment
@@ -68,23 +66,6 @@ class Setup:
     operator_kubeconfig: Path
     config: OperatorConfig
     rendered: str
-
-
-def _tool(plane: ControlPlane, name: str, *args: str, stdin: str | None = None) -> str:
-    path = find_binary(name)
-    if path is None:
-        missing_component(name, "hack/build-cluster.sh")
-    done = subprocess.run(
-        [str(path), *args],
-        env=plane.env(),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def _probe_pod(namespace: str, name: str = "probe", **spec: Any) -> dict[str, Any]:
@@ -179,7 +160,7 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
         "POST", f"/api/v1/namespaces/{release_ns}/serviceaccounts", {"metadata": {"name": RELEASE}}
     )
     assert status == 201, body
-    rendered = _tool(
+    rendered = run_tool(
         plane, "helm", "template", RELEASE, str(CHART), "-n", release_ns,
         "--set", f"operator.watchNamespaces={{{owner_ns},{thief_ns}}}",
         "-s", "templates/rbac.yaml", "-s", "templates/dedicated-gpu-groups.yaml",
@@ -187,7 +168,8 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
     kinds_rendered = {d["kind"] for d in yaml.safe_load_all(rendered) if d}
     assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "Role"} <= kinds_rendered
     try:
-        _tool(plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered)
+        apply_args = ("apply", "--server-side", "--field-manager=helm", "-f", "-")
+        run_tool(plane, "kubectl", *apply_args, stdin=rendered)
         # The API server enforces a policy once its informer has it: wait for the first refusal.
         probe = _probe_pod(thief_ns, tolerations=[_group_toleration()])
         wait_for(
@@ -208,7 +190,7 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
         )
         yield Setup(plane, release_ns, owner_ns, thief_ns, kubeconfig, config, rendered)
     finally:
-        _tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
+        run_tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
         for namespace in (owner_ns, thief_ns, release_ns):
             delete_namespace(plane, namespace, wait=True)
 

@@ -35,7 +35,6 @@ import copy
 import dataclasses
 import json
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -44,10 +43,9 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import scratch_namespace, wait_for
-from devcluster import ControlPlane, find_binary
+from cluster_helpers import run_tool, scratch_namespace, wait_for
+from devcluster import ControlPlane
 
-from components import missing_component
 from kvfleet_operator.api import reasons
 from kvfleet_operator.build.common import owned_selector
 from kvfleet_operator.k8s import kinds
@@ -300,23 +298,6 @@ def test_an_upgrade_keeps_the_running_pods_of_a_model_deployment_now_refused(
 # --- the chart's policy: the requesting user's own rights ------------------------------------------------
 
 
-def _tool(plane: ControlPlane, name: str, *args: str, stdin: str | None = None) -> str:
-    path = find_binary(name)
-    if path is None:
-        missing_component(name, "hack/build-cluster.sh")
-    done = subprocess.run(
-        [str(path), *args],
-        env=plane.env(),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
 @dataclasses.dataclass(frozen=True)
 class Team:
     """A namespace and a ServiceAccount token for a team that may edit ModelDeployments there."""
@@ -380,7 +361,7 @@ def team(api_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
     """The chart's policy applied as an install would (removed at the end), and a team's namespace whose
     ServiceAccount may edit ModelDeployments and nothing else (yet)."""
     plane = api_cluster
-    rendered = _tool(
+    rendered = run_tool(
         plane, "helm", "template", RELEASE, str(CHART), "-n", "kvfleet-system",
         "-s", "templates/model-deployment-rights.yaml",
     )  # fmt: skip
@@ -390,7 +371,7 @@ def team(api_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
     }
     with scratch_namespace(plane, "team", crds=True) as ns:
         try:
-            _tool(
+            run_tool(
                 plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered
             )
             status, body = plane.request(
@@ -432,7 +413,8 @@ def team(api_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             )
             yield t
         finally:
-            _tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
+            delete_args = ("delete", "--ignore-not-found", "--wait=false", "-f", "-")
+            run_tool(plane, "kubectl", *delete_args, stdin=rendered)
 
 
 def _admitted(team: Team, doc: dict[str, Any]) -> None:

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import base64
 import copy
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster_helpers import wait_for
-from devcluster import ControlPlane, find_binary
+from cluster_helpers import run_tool, wait_for
+from devcluster import ControlPlane
 
-from components import missing_component
 from kvfleet_operator.api import reasons
 from kvfleet_operator.build.common import SHARED_POOL, engine_name
 from kvfleet_operator.build.tenant_table import dedicated_pool_name
@@ -276,23 +274,6 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "kvfleet"
 NAMES_POLICY = "kvfleet-names-model-deployment-names"
 
 
-def _run(plane: ControlPlane, tool: str, *args: str, stdin: str | None = None) -> str:
-    path = find_binary(tool)
-    if path is None:
-        missing_component(tool, "hack/build-cluster.sh")
-    done = subprocess.run(
-        [str(path), *args],
-        env=plane.env(),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
 def _create_dry_run(plane: ControlPlane, namespace: str, name: str) -> tuple[int, Any]:
     path = f"{API}/namespaces/{namespace}/modeldeployments?dryRun=All"
     status, body = plane.request("POST", path, _model_deployment(namespace, name))
@@ -316,8 +297,8 @@ def test_the_chart_refuses_a_new_model_deployment_whose_pools_could_take_another
         "x", dedicated_pool_name("dedicated-t")
     )
     template = "templates/model-deployment-names.yaml"
-    rendered = _run(plane, "helm", "template", "kvfleet-names", str(CHART), "-s", template)
-    _run(plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered)
+    rendered = run_tool(plane, "helm", "template", "kvfleet-names", str(CHART), "-s", template)
+    run_tool(plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered)
     try:
         wait_for(
             lambda: _create_dry_run(plane, ns, "probe-dedicated-x")[0] == 422,
@@ -338,4 +319,4 @@ def test_the_chart_refuses_a_new_model_deployment_whose_pools_could_take_another
         status, body = plane.request("PATCH", path, patch, content_type="application/merge-patch+json")
         assert status == 200, body
     finally:
-        _run(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
+        run_tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,10 +36,9 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
-from devcluster import ControlPlane, find_binary
+from cluster_helpers import apply_crds, create_namespace, delete_namespace, run_tool, wait_for
+from devcluster import ControlPlane
 
-from components import missing_component
 from kvfleet_operator.api import ModelDeployment, reasons
 from kvfleet_operator.build.common import PLUGIN_METRICS_PORT, SHARED_TIER_COMPONENT, selector_labels
 from kvfleet_operator.build.tenant_table import compute_pool_capacity
@@ -80,23 +78,6 @@ class Setup:
     ns: str
     operator_kubeconfig: Path
     config: OperatorConfig
-
-
-def _tool(plane: ControlPlane, name: str, *args: str, stdin: str | None = None) -> str:
-    path = find_binary(name)
-    if path is None:
-        missing_component(name, "hack/build-cluster.sh")
-    done = subprocess.run(
-        [str(path), *args],
-        env=plane.env(),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def _pod(namespace: str, name: str, labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
@@ -169,7 +150,7 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
         "POST", f"/api/v1/namespaces/{release_ns}/serviceaccounts", {"metadata": {"name": RELEASE}}
     )
     assert status == 201, body
-    rendered = _tool(
+    rendered = run_tool(
         plane, "helm", "template", RELEASE, str(CHART), "-n", release_ns,
         "--set", f"operator.watchNamespaces={{{ns}}}",
         "-s", "templates/rbac.yaml", "-s", "templates/reserved-labels.yaml",
@@ -177,7 +158,8 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
     kinds_rendered = {d["kind"] for d in yaml.safe_load_all(rendered) if d}
     assert {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "Role"} <= kinds_rendered
     try:
-        _tool(plane, "kubectl", "apply", "--server-side", "--field-manager=helm", "-f", "-", stdin=rendered)
+        apply_args = ("apply", "--server-side", "--field-manager=helm", "-f", "-")
+        run_tool(plane, "kubectl", *apply_args, stdin=rendered)
         probe = _pod(ns, "probe", selector_labels(MD, "gateway"))
         wait_for(
             lambda: _refused_by(_post(plane, probe, dry_run=True)[1], POD_POLICY),
@@ -190,7 +172,7 @@ def setup(full_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) 
         config = dataclasses.replace(CONFIG, watch_namespaces=(ns,))
         yield Setup(plane, release_ns, ns, kubeconfig, config)
     finally:
-        _tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
+        run_tool(plane, "kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", "-", stdin=rendered)
         for namespace in (ns, release_ns):
             delete_namespace(plane, namespace, wait=True)
 
