@@ -414,17 +414,25 @@ async def test_request_bodies_in_memory_are_bounded(tmp_path: Path) -> None:
         tenants,
         "--tenant-body-bytes", str(9 * mib), "--total-body-bytes", str(24 * mib),
         "--max-body-bytes", str(5 * mib),
+        # The fake engine shares this test's event loop, which is busy sending 240 MiB: on a loaded
+        # machine it accepted late (2 s) and was dropped as unhealthy (503 no_healthy_replica), which is
+        # not what this test is about.
+        "--connect-timeout", "30", "--health-timeout", "30",
     ) as env:  # fmt: skip
         body = json.dumps(
             {"model": MODEL, "messages": [{"role": "user", "content": "x" * (4 * mib)}]}
         ).encode()
         before = env.gateway.rss_bytes()
 
+        codes: list[str] = []
+
         async def send(tenant: str) -> int:
             async with env.http.post(
                 env.gateway.url + "/v1/chat/completions", data=body, headers=env.auth(tenant)
             ) as r:
-                await r.read()
+                data = await r.read()
+                if r.status != 200:
+                    codes.append(json.loads(data)["error"]["code"])
                 return r.status
 
         peak = before
@@ -439,8 +447,12 @@ async def test_request_bodies_in_memory_are_bounded(tmp_path: Path) -> None:
         statuses = await asyncio.gather(*(send(t.name) for t in tenants for _ in range(15)))
         watcher.cancel()
         counts = {s: statuses.count(s) for s in set(statuses)}
-        log.info("60 x 4 MiB bodies: %s; RSS %.0f -> peak %.0f MiB", counts, before / mib, peak / mib)
-        assert set(counts) <= {200, 429, 503} and counts.get(200, 0) >= 4
+        log.info(
+            "60 x 4 MiB bodies: %s (refusals %s); RSS %.0f -> peak %.0f MiB",
+            counts, {c: codes.count(c) for c in set(codes)}, before / mib, peak / mib,
+        )  # fmt: skip
+        assert set(codes) <= {"body_bytes", "gateway_busy"}  # refused for the budget, nothing else
+        assert counts.get(200, 0) >= 4
         assert counts.get(429, 0) + counts.get(503, 0) > 0  # more than the budget was refused, not held
         assert peak - before < 160 * mib  # 60 bodies are 240 MiB; the budget is 24 MiB
         assert env.posts == counts[200]
