@@ -27,7 +27,8 @@ Figures: ``total_s`` (first line to last); ``bootstrap_s``, ``provision_s`` (eve
 lanes side by side), ``lint_s`` (ruff, mypy, import contracts) and ``tests_s`` (pytest), each from the
 ``==> `` lines ``hack/test.sh`` prints; one ``provision_<step>_s`` per ``hack/provision.d`` step (from its
 ``<== STEP: done in N s`` line; the steps of the lanes overlap); ``go_<group>_build_s`` for every
-``<group>: done in N s`` line of ``hack/build-cluster.sh``; ``limit_s`` (90 minutes). Details: pytest's
+``<group>: done in N s`` line of ``hack/build-cluster.sh`` (in the log, or in the steps' own logs that
+hack/provision.sh keeps); ``limit_s`` (90 minutes). Details: pytest's
 summary line and the exit status.
 
 Two log formats: in the older one lint ran after provisioning, from its ``==> ruff`` line to ``==> pytest``,
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import JsonValue
@@ -171,8 +172,20 @@ def parse_log(lines: Sequence[str]) -> ColdRun:
     )
 
 
+def go_builds_in_step_logs(folder: Path) -> dict[str, int]:
+    """``hack/build-cluster.sh``'s own timings (``GROUP: done in N s``) in the provisioning steps' logs,
+    which hack/provision.sh keeps in ``folder`` (``$KVFLEET_CACHE/logs/provision``), one per step."""
+    found: dict[str, int] = {}
+    for path in sorted(folder.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            done = _GO_DONE.search(line)
+            if done is not None:
+                found[done.group(1)] = int(done.group(2))
+    return found
+
+
 def figures_of(run: ColdRun) -> dict[str, Figure]:
-    figures = {"total_s": Figure.single(run.total_s, "s", note="first line of .ci/run's output to last")}
+    figures = {"total_s": Figure.single(run.total_s, "s", note="first line of the command's output to last")}
     for phase, seconds in run.phases.items():
         figures[f"{phase}_s"] = Figure.single(seconds, "s")
     if run.lint_lane_s is not None:
@@ -259,11 +272,11 @@ def _warm_env() -> dict[str, str]:
 
 def run_cold(
     workdir: Path, warm_images: bool = False, warm: bool = False, demo: bool = False, in_place: bool = False
-) -> tuple[Path, int]:
+) -> tuple[Path, int, Path]:
     """Clone HEAD into ``workdir/repo``, run ``.ci/run`` (with ``demo``: ``make demo``) there on empty
     caches under ``workdir`` (with ``warm``: on the machine's own caches, as on a provisioned machine; with
     ``in_place``: on the machine's own caches emptied first, which leaves the machine provisioned again and
-    needs no room for a second copy); the log and exit status."""
+    needs no room for a second copy); the log, the exit status and the folder of the steps' own logs."""
     if workdir.exists() and any(workdir.iterdir()):
         raise SystemExit(f"{workdir} is not empty: give a new folder (every cache under it must start empty)")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +302,8 @@ def run_cold(
             out.write(f"{time.strftime('%H:%M:%S')} {line}")
             out.flush()
         status = proc.wait()
-    return log, status
+    home_cache = Path(env.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return log, status, Path(env.get("KVFLEET_CACHE", home_cache / "kvfleet")) / "logs" / "provision"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,11 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.results = default_path(WARM_NAME)
     if demo and args.results == default_path(NAME):
         args.results = default_path(DEMO_NAME)
+    step_logs: Path | None = None
     if args.command == "run":
-        log, status = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place)
+        log, status, step_logs = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place)
     else:
         log, status = args.log, args.exit_status
     run = parse_log(log.read_text().splitlines())
+    if step_logs is not None:  # today's hack/provision.sh keeps the Go timings in the steps' logs
+        run = replace(run, go_builds={**run.go_builds, **go_builds_in_step_logs(step_logs)})
     details: dict[str, JsonValue] = {"pytest": run.pytest_summary}
     if status is not None:
         details["exit_status"] = status

@@ -23,8 +23,9 @@
 # A step's own output (pip, go, apt, podman) goes to $KVFLEET_CACHE/logs/provision/STEP.log (default
 # ~/.cache/kvfleet); when a step fails, its log's path and last 30 lines are printed once every lane has
 # ended. While steps run: on a terminal, one line rewritten in place (the time so far and what runs); in a
-# log (stdout not a terminal, e.g. CI), a progress line every KVFLEET_PROGRESS_INTERVAL seconds (60), and
-# the steps' own timing lines (`[build-cluster HH:MM:SS] GROUP: done in N s`) with the lane in front.
+# log (stdout not a terminal, e.g. CI), a progress line every KVFLEET_PROGRESS_INTERVAL seconds (300: a
+# cold provisioning of half an hour adds six lines). The steps' own timing lines (`[build-cluster HH:MM:SS]
+# GROUP: done in N s`) stay in their logs, where benchmarks/ci_cold.py reads them.
 #
 # With KVFLEET_PROVISION_STATE set, each step's outcome is written into that folder as it ends: `STEP.done`
 # or `STEP.failed` (also for the steps a failure skipped), for whoever waits on a step; a file `quiet`
@@ -55,7 +56,7 @@ done
 
 logs=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}/logs/provision
 mkdir -p "$logs"
-interval=${KVFLEET_PROGRESS_INTERVAL:-60}
+interval=${KVFLEET_PROGRESS_INTERVAL:-300}
 tty=0
 [ -t 1 ] && tty=1
 state=$(mktemp -d)
@@ -106,9 +107,6 @@ run_lane() {  # lane strict steps... (strict: a failure fails the run even under
     bash "$step" >"$log" 2>&1 </dev/null || status=$?
     touch "$state/ended.$name"
     if [ "$status" = 0 ]; then outcome "$name" "done"; else outcome "$name" failed; fi
-    if [ "$tty" = 0 ]; then  # a log keeps the steps' own timings (benchmarks/ci_cold.py: go_*_build_s)
-      grep -E '^\[[a-z-]+ [0-9:]+\] [a-z0-9-]+: done in [0-9]+ s' "$log" | sed "s/^/[$lane] /" || true
-    fi
     if [ "$status" = 0 ]; then
       echo $((SECONDS - started)) >"$logs/$name.seconds"
       say "<== $step: done in $((SECONDS - started)) s"

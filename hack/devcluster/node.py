@@ -423,6 +423,14 @@ def ctr(*args: str, check: bool = True, timeout: float = 600) -> subprocess.Comp
     )
 
 
+def containerd_answers() -> bool:
+    """Whether the node's containerd answers on its socket. Without a socket file, no: ``ctr`` would
+    spend its 10 s default connect timeout finding that out (once per poll of a starting containerd)."""
+    if not CONTAINERD_SOCKET.is_socket():
+        return False
+    return ctr("--connect-timeout", "2s", "version", check=False).returncode == 0
+
+
 def image_present(ref: str) -> bool:
     out = ctr("images", "ls", "-q", f"name=={ref}", check=False)
     return out.returncode == 0 and ref in out.stdout.decode().split()
@@ -503,7 +511,7 @@ def preload_images(workdir: Path, timeout: float = 60.0) -> dict[str, float]:
     if not images:
         raise FileNotFoundError(f"no images built yet ({binaries.cache_dir() / 'images' / 'images.json'})")
     containerd: ManagedProcess | None = None
-    if ctr("version", check=False).returncode != 0:
+    if not containerd_answers():
         containerd = _start_containerd(node_cache_dir() / "containerd", workdir, workdir / "logs", timeout)
     try:
         return _import_built_images(images)
@@ -525,7 +533,7 @@ def _start_containerd(root: Path, workdir: Path, logs: Path, timeout: float = 60
     containerd = start_process("containerd", ["containerd", f"--config={config}"], logs)
     try:
         wait_until(
-            lambda: ctr("version", check=False).returncode == 0,
+            containerd_answers,
             timeout=timeout,
             what="containerd",
             watch=[containerd],

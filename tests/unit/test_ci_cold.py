@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from ci_cold import LIMIT_S, figures_of, main, parse_log
+from ci_cold import LIMIT_S, figures_of, go_builds_in_step_logs, main, parse_log
 
 pytestmark = pytest.mark.unit
 
@@ -143,6 +143,20 @@ def test_hack_provision_sh_log_lint_beside_provisioning() -> None:
     # The older logs keep their figures: lint there is its own phase, from `==> ruff` to `==> pytest`.
     assert parse_log(LANES_LOG.splitlines()).lint_lane_s is None
     assert figures_of(parse_log(LANES_LOG.splitlines()))["lint_s"].median == 90
+
+
+def test_go_timings_from_the_steps_own_logs(tmp_path: Path) -> None:
+    """Today's hack/provision.sh keeps hack/build-cluster.sh's timing lines in each step's log, not in its
+    output: they are read there (the last line of a group wins, as in a log)."""
+    (tmp_path / "10-cluster.log").write_text(
+        "go: downloading k8s.io/api v0.35.0\n"
+        "[build-cluster 04:38:15] etcd: done in 103 s\n"
+        "[build-cluster 04:50:46] kubernetes: done in 748 s\n"
+    )
+    (tmp_path / "30-node.log").write_text("[build-cluster 05:01:12] kube-router: done in 119 s\n")
+    (tmp_path / "20-engine.seconds").write_text("[build-cluster 00:00:00] not-a-log: done in 1 s\n")
+    assert go_builds_in_step_logs(tmp_path) == {"etcd": 103, "kubernetes": 748, "kube-router": 119}
+    assert go_builds_in_step_logs(tmp_path / "missing") == {}
 
 
 DEMO_LOG = """\

@@ -24,7 +24,7 @@ from kvfleet_runtime.config import (
     parse_media_hosts,
 )
 from kvfleet_runtime.config_watch import RuntimeConfigWatcher
-from kvfleet_runtime.engine import launcher, model_source, restore_bench, shared_tier
+from kvfleet_runtime.engine import launcher, model_info_cache, model_source, restore_bench, shared_tier
 from kvfleet_runtime.engine import lmcache_sync as ls
 from kvfleet_runtime.engine.tinymodel import build_tiny_model
 
@@ -44,6 +44,12 @@ def register(subparsers: Any) -> None:
         "--dest", type=Path, default=None, help="Model folder (default: $KVFLEET_CACHE/models/tiny-llama)."
     )
     tiny.set_defaults(func=_build_tiny_model)
+
+    prime = sub.add_parser(
+        "prime-vllm-cache",
+        help="Have vLLM inspect the usual model classes once for this install, not once per engine start.",
+    )
+    prime.set_defaults(func=_prime_vllm_cache)
 
     sync = sub.add_parser("lmcache-sync", help="Keep LMCache per-salt quotas in sync with the tenant table.")
     _add_config_args(sync)
@@ -183,6 +189,12 @@ def _build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prime_vllm_cache(args: argparse.Namespace) -> int:
+    inspected = model_info_cache.prime()
+    print(f"vLLM model classes inspected: {', '.join(inspected) or 'none (already primed)'}")
+    return 0
+
+
 def _pool_engine(table: TenantTable, pool: str | None) -> tuple[str, str | None]:
     """The pool's model and revision (the first pool's when ``pool`` is None)."""
     entry = table.pools[pool or next(iter(table.pools))]
@@ -314,13 +326,14 @@ def _launch(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="kvfleet-engine-"))
     state_dir.mkdir(parents=True, exist_ok=True)
     procs: list[launcher.EngineProcess] = []
+    lmcache: launcher.EngineProcess | None = None
     try:
         if lmc is not None and lmcache_url is not None:
             if lmc.shared_host is not None:
                 # LMCache's resp connector never reconnects: start it once the shared tier is up.
                 launcher.wait_for_tcp(lmc.shared_host, lmc.shared_port, args.startup_timeout)
             # The same tenant environment turns on LMCache's per-tenant L1 governance.
-            proc = launcher.EngineProcess(
+            lmcache = launcher.EngineProcess(
                 "lmcache",
                 launcher.build_lmcache_args(lmc),  # loopback only: nothing outside the pod dials it
                 {**os.environ, **replica.site.env},
@@ -328,10 +341,11 @@ def _launch(args: argparse.Namespace) -> int:
                 echo=sys.stdout,
                 max_log_bytes=ENGINE_LOG_MAX_BYTES,
             )
-            procs.append(proc)
-            proc.wait_ready(f"{lmcache_url}/healthcheck", args.startup_timeout)
+            procs.append(lmcache)
         env = launcher.build_vllm_env(replica, os.environ, state_dir)
-        proc = launcher.EngineProcess(
+        # vLLM starts beside LMCache, not after it: it first spends half a minute importing, and its
+        # LMCache connector waits for the server (ZMQ queues until it binds; lmcache.mp.mq_timeout, 300 s).
+        vllm = launcher.EngineProcess(
             "vllm",
             launcher.build_vllm_args(replica),
             env,
@@ -339,12 +353,14 @@ def _launch(args: argparse.Namespace) -> int:
             echo=sys.stdout,
             max_log_bytes=ENGINE_LOG_MAX_BYTES,
         )
-        procs.append(proc)
-        waited = proc.wait_ready(f"{replica.vllm_url}/health", args.startup_timeout)
+        procs.append(vllm)
+        if lmcache is not None:
+            lmcache.wait_ready(f"{lmcache_url}/healthcheck", args.startup_timeout)
+        waited = vllm.wait_ready(f"{replica.vllm_url}/health", args.startup_timeout)
         print(f"vLLM ready on {replica.vllm_url} after {waited:.0f}s (logs in {state_dir})", flush=True)
-        if lmcache_url is None:
-            procs[-1].proc.wait()
-            return int(procs[-1].proc.returncode or 0)
+        if lmcache is None or lmcache_url is None:
+            vllm.proc.wait()
+            return int(vllm.proc.returncode or 0)
         watcher = RuntimeConfigWatcher(args.config, args.keys)
         metrics = ls.LMCacheSyncMetrics()
         if args.metrics_port is not None:

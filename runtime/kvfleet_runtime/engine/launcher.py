@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfleet_runtime.config import EngineSettings, LMCacheSettings, TenantTable
+from kvfleet_runtime.engine import model_info_cache
 from kvfleet_runtime.engine.model_source import is_streamable_uri
 from kvfleet_runtime.engine.plugin_config import (
     ENV_KEY_FILE,
@@ -301,7 +302,8 @@ def build_vllm_env(
     """Environment for vLLM: base env + KV space + private cache dirs under ``state_dir`` + the site's.
 
     ``state_dir`` keeps vLLM's compile cache, HF cache and temp files out of the user's home (tests
-    run many servers side by side and must not share or leak state).
+    run many servers side by side and must not share or leak state); its vLLM cache starts with the
+    install's model-class answers (``model_info_cache``).
     """
     env = dict(base)
     if replica.site.cpu_kv_cache_gib is not None:
@@ -311,6 +313,7 @@ def build_vllm_env(
             path = state_dir / sub
             path.mkdir(parents=True, exist_ok=True)
             env[name] = str(path)
+        model_info_cache.seed(state_dir / "vllm-cache")  # vLLM skips inspecting the model class again
     # vLLM never downloads: a Hugging Face model was fetched before it starts (``kvfleet engine
     # fetch-model``), so any hub access is a bug and fails fast instead of hanging or re-downloading.
     env.setdefault("HF_HUB_OFFLINE", "1")
