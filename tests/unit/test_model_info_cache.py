@@ -44,6 +44,14 @@ def test_seed_leaves_an_answer_the_start_already_has(tmp_path: Path) -> None:
     assert (root / "modelinfos" / LLAMA).read_text() == "newer"
 
 
+def test_an_answer_that_cannot_be_copied_costs_only_the_inspection(tmp_path: Path) -> None:
+    kept = _kept(tmp_path)
+    (kept / LLAMA).unlink()
+    (kept / LLAMA).mkdir()  # unreadable as a file (as root, a mode would not stop the copy)
+    root = tmp_path / "vllm-cache"
+    assert model_info_cache.seed(root, kept) == [QWEN]  # the start goes on; vLLM inspects Llama itself
+
+
 def test_without_kept_answers_nothing_is_seeded(tmp_path: Path) -> None:
     root = tmp_path / "vllm-cache"
     assert model_info_cache.seed(root, tmp_path / "missing") == []
@@ -54,8 +62,11 @@ def test_primed_names_the_architectures_with_an_answer(tmp_path: Path) -> None:
     kept = _kept(tmp_path)
     assert model_info_cache.primed(["LlamaForCausalLM", "MistralForCausalLM"], kept) == ["LlamaForCausalLM"]
     assert model_info_cache.primed(["LlamaForCausalLM"], tmp_path / "missing") == []
-    # Nothing to inspect: prime returns at once, without importing vLLM.
+    # Nothing to inspect: prime returns at once, without importing vLLM, and makes the answers readable
+    # by the engine's user (vLLM writes them 0600; the image's engine runs as 10001).
+    (kept / LLAMA).chmod(0o600)
     assert model_info_cache.prime(["LlamaForCausalLM", "Qwen2ForCausalLM"], kept) == []
+    assert (kept / LLAMA).stat().st_mode & 0o777 == 0o644
 
 
 def test_each_vllm_start_gets_the_installs_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,11 +14,14 @@ start's cache. A missing or stale answer costs only the inspection it would have
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 #: Where an install keeps its answers (``<prefix>/share/kvfleet/vllm-cache/modelinfos``): read-only in the
 #: engine image (primed when it is built), written by ``hack/provision.d/20-engine.sh`` in the dev venv.
@@ -41,8 +44,12 @@ def seed(cache_root: Path, kept: Path | None = None) -> list[str]:
         dest = target / source.name
         if dest.exists():
             continue
-        target.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, dest)  # with its time: vLLM writes a new file only for an answer it computed
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest)  # with its time: vLLM writes a new file only for an answer it computed
+        except OSError as exc:  # only time is lost: vLLM inspects the class itself
+            log.warning("vLLM's kept answer %s not copied (%s); vLLM will inspect the class", source, exc)
+            continue
         copied.append(source.name)
     return copied
 
@@ -56,20 +63,23 @@ def prime(architectures: Sequence[str] = ARCHITECTURES, kept: Path = KEPT) -> li
     """Have vLLM inspect each of ``architectures`` that ``kept`` has no answer for, writing its answer
     there; the architectures inspected. Raises ``RuntimeError`` when vLLM cannot inspect one."""
     todo = [arch for arch in architectures if arch not in primed(architectures, kept)]
-    if not todo:
-        return []
-    # vLLM reads VLLM_CACHE_ROOT when asked (vllm.envs), so setting it here, before the import, is enough.
-    os.environ["VLLM_CACHE_ROOT"] = str(kept.parent)
-    from vllm.model_executor.models.registry import ModelRegistry  # noqa: PLC0415 - after the env is set
+    if todo:
+        # vLLM reads VLLM_CACHE_ROOT when asked (vllm.envs): set here, before the import, it is enough.
+        os.environ["VLLM_CACHE_ROOT"] = str(kept.parent)
+        from vllm.model_executor.models.registry import ModelRegistry  # noqa: PLC0415 - after the env
 
-    for arch in todo:
-        # The registry's own inspect-and-cache step: the one vLLM runs at start (a private name in vLLM
-        # 0.32; if a later vLLM renames it, priming fails loudly at the image build, not at a start).
-        if ModelRegistry._try_inspect_model_cls(arch) is None:
-            raise RuntimeError(f"vLLM could not inspect {arch}")
-    missing = [arch for arch in todo if arch not in primed(todo, kept)]
-    if missing:
-        raise RuntimeError(f"vLLM inspected {', '.join(missing)} but wrote no answer under {kept}")
+        for arch in todo:
+            # The registry's own inspect-and-cache step: the one vLLM runs at start (a private name in
+            # vLLM 0.32; if a later vLLM renames it, priming fails loudly at the image build).
+            if ModelRegistry._try_inspect_model_cls(arch) is None:
+                raise RuntimeError(f"vLLM could not inspect {arch}")
+        missing = [arch for arch in todo if arch not in primed(todo, kept)]
+        if missing:
+            raise RuntimeError(f"vLLM inspected {', '.join(missing)} but wrote no answer under {kept}")
+    # vLLM writes its answers readable by their owner only; an engine runs as another user (10001).
+    if kept.is_dir():
+        for path in (kept, *kept.glob("*.json")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
     return todo
 
 
