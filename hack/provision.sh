@@ -210,7 +210,8 @@ for script in "${also[@]}"; do
   run_lane "$(lane_of "$script" "$(basename "$script" .sh)")" 1 "$script" &
   pids+=($!)
 done
-progress &
+# Its stderr nowhere: stopping it kills its sleep first, and bash would report that as "Terminated".
+progress 2>/dev/null &
 clock_pid=$!
 for pid in "${pids[@]}"; do wait "$pid" || true; done
 stop

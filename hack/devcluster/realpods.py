@@ -20,6 +20,8 @@ import base64
 import os
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -241,12 +243,25 @@ def wait_for_engine_and_gateway(plane: Any, namespace: str, engine_timeout: floa
 # --- reaching the gateway ----------------------------------------------------------------------------------
 
 
-def gateway_service_url(plane: Any, namespace: str, md: str = MD) -> str:
-    """``http://<ClusterIP>:<port>`` of the ModelDeployment's gateway Service: kube-proxy's rules take a
-    connection from this machine (or any pod) to a gateway pod."""
+def gateway_service_url(plane: Any, namespace: str, md: str = MD, timeout: float = 60) -> str:
+    """``http://<ClusterIP>:<port>`` of the ModelDeployment's gateway Service, once it routes: kube-proxy's
+    rules take a connection from this machine (or any pod) to a gateway pod. A pod just Ready is not yet
+    behind its Service (the endpoint slice, then kube-proxy's next sync): until then a connection is
+    refused, so this waits for the gateway's ``/readyz`` to answer through the Service."""
     service = kube(plane, "GET", f"/api/v1/namespaces/{namespace}/services/{md}-gateway")
     port = next(p["port"] for p in service["spec"]["ports"] if p.get("name") == "http")
-    return f"http://{service['spec']['clusterIP']}:{port}"
+    url = f"http://{service['spec']['clusterIP']}:{port}"
+
+    def routed() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    what = f"the gateway Service {namespace}/{md}-gateway routing to a Ready pod"
+    wait_for(routed, what, timeout, plane, interval=0.5)
+    return url
 
 
 def tenant_keys(plane: Any, namespace: str, tenants: Sequence[str]) -> dict[str, str]:
