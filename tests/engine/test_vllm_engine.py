@@ -24,7 +24,7 @@ def test_the_start_used_the_installs_answer_about_the_model_class(vllm_server: V
     writes a new file for an answer it computed; the copy is there with its original time."""
     assert model_info_cache.primed() == ["LlamaForCausalLM"]
     kept = next(model_info_cache.KEPT.glob("*-LlamaForCausalLM.json"))
-    used = vllm_server.proc.log_path.parent / "vllm-cache" / "modelinfos" / kept.name
+    used = vllm_server.process.log_path.parent / "vllm-cache" / "modelinfos" / kept.name
     assert used.read_bytes() == kept.read_bytes()
     assert used.stat().st_mtime_ns == kept.stat().st_mtime_ns
 
