@@ -8,7 +8,6 @@ tests/cluster, a real API server); here: the pydantic messages a human reads.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any
 
@@ -24,23 +23,25 @@ from kvfleet_operator.build.model_deployment import OperatorImages, build_desire
 from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
 from kvfleet_runtime.cli import build_parser
 from kvfleet_runtime.config import KeyFile
+from kvfleet_runtime.gateway.settings import from_flags
 
 OWNER = Owner("kvfleet.io/v1alpha1", "ModelDeployment", "m", "md-uid")
 GATEWAY = GatewayWorkload(namespace="ns", model_deployment="m", owner=OWNER, replicas=2, image="gw:1")
 
 
-def _gateway_args(deployment: dict[str, Any]) -> argparse.Namespace:
+def _gateway_args(deployment: dict[str, Any]) -> tuple[bool, int, float]:
+    """What the gateway runs with, read by its own parser: (fair queuing on, in flight, queue timeout)."""
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[0] == "kvfleet"
-    return build_parser().parse_args(command[1:])
+    settings = from_flags(build_parser().parse_args(command[1:]))
+    return settings.fair_queuing, settings.engine_in_flight_per_replica, settings.max_queue_wait_s
 
 
 def test_unset_fields_render_no_flag_and_the_gateway_keeps_its_defaults() -> None:
     deployment = build_gateway_deployment(GATEWAY)
     command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     assert not {"--fair-queuing", "--engine-in-flight-per-replica", "--queue-timeout"} & set(command)
-    args = _gateway_args(deployment)
-    assert (args.fair_queuing, args.engine_in_flight_per_replica, args.queue_timeout) == ("vtc", 256, 10.0)
+    assert _gateway_args(deployment) == (True, 256, 10.0)
 
 
 @pytest.mark.parametrize(
@@ -52,21 +53,20 @@ def test_unset_fields_render_no_flag_and_the_gateway_keeps_its_defaults() -> Non
                 "engine_in_flight_per_replica": 8,
                 "queue_timeout_s": 30.0,
             },
-            ("fifo", 4, 30.0),
+            (False, 4, 30.0),
             id="fifo-8-over-2-gateways",
         ),
         # 5 over 2 gateway replicas: 3 each (rounded up; the engine may get 6, never fewer than asked).
         pytest.param(
             {"fair_queuing": FairQueuingOrder.VTC, "engine_in_flight_per_replica": 5, "queue_timeout_s": 0.5},
-            ("vtc", 3, 0.5),
+            (True, 3, 0.5),
             id="vtc-5-rounded-up",
         ),
-        pytest.param({"engine_in_flight_per_replica": 0}, ("vtc", 0, 10.0), id="no-limit-stays-0"),
+        pytest.param({"engine_in_flight_per_replica": 0}, (True, 0, 10.0), id="no-limit-stays-0"),
     ],
 )
-def test_set_fields_reach_the_gateway(fields: dict[str, Any], expected: tuple[str, int, float]) -> None:
-    args = _gateway_args(build_gateway_deployment(dataclasses.replace(GATEWAY, **fields)))
-    assert (args.fair_queuing, args.engine_in_flight_per_replica, args.queue_timeout) == expected
+def test_set_fields_reach_the_gateway(fields: dict[str, Any], expected: tuple[bool, int, float]) -> None:
+    assert _gateway_args(build_gateway_deployment(dataclasses.replace(GATEWAY, **fields))) == expected
 
 
 @pytest.mark.parametrize(
@@ -99,8 +99,7 @@ def test_a_model_deployment_manifest_reaches_the_gateway_deployment() -> None:
     (deployment,) = [
         c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-gateway")
     ]
-    args = _gateway_args(deployment)
-    assert (args.fair_queuing, args.engine_in_flight_per_replica, args.queue_timeout) == ("fifo", 32, 90.0)
+    assert _gateway_args(deployment) == (False, 32, 90.0)
 
 
 @pytest.mark.parametrize(

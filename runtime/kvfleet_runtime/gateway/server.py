@@ -38,8 +38,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -76,6 +74,7 @@ from kvfleet_runtime.gateway.rewrite import (
     prepare_request,
 )
 from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
+from kvfleet_runtime.gateway.settings import GatewaySettings, per_source_connections
 from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
 from kvfleet_runtime.kv.fairness import TokenCost
 
@@ -83,80 +82,12 @@ log = logging.getLogger("kvfleet.gateway")
 #: Where ``_authenticate`` leaves the tenant's name on the request (read by ``on_response_prepare``).
 _TENANT_KEY: web.RequestKey[str] = web.RequestKey("kvfleet_tenant", str)
 
-MIB = 1024 * 1024
 #: Health checks in a row that must time out before a replica that was healthy is marked unhealthy.
 PROBE_TIMEOUTS_TO_FAIL = 3
 #: After a drain: how long requests still in flight at the drain timeout get to finish being cancelled.
 _CANCEL_GRACE_S = 1.0
 #: How much lower the parse workers' CPU priority is than the event loop's.
 PARSE_WORKER_NICENESS = 10
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    """Process-level knobs (the CLI flags); per-tenant limits come from the tenant table."""
-
-    config_path: Path
-    keys_path: Path
-    reload_interval_s: float = 1.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
-    #: Time from a request's first byte (a new connection: from accept) to the end of its headers.
-    header_timeout_s: float = 10.0
-    #: Time a keep-alive connection may sit between requests.
-    idle_timeout_s: float = 60.0
-    #: Open client connections; one more is answered 503 and closed at once.
-    max_connections: int = 4096
-    #: Open client connections from one source address; one more is answered 503 and closed at once, so
-    #: one host cannot hold the whole bound. ``None``: a quarter of ``max_connections``; 0: no such bound
-    #: (behind a proxy or load balancer that hides client addresses, every client shares its address:
-    #: raise it or set 0 there; ``per_source_connections``).
-    max_connections_per_source: int | None = None
-    max_body_bytes: int = 4 * MIB
-    body_timeout_s: float = 10.0
-    #: Request bodies one tenant may have in memory at once (reserved before they are read).
-    tenant_body_bytes: int = 16 * MIB
-    #: Request bodies the process may have in memory at once.
-    total_body_bytes: int = 128 * MIB
-    #: Bodies up to this size are parsed on the event loop; larger ones in a worker process.
-    inline_parse_bytes: int = 16 * 1024
-    #: Worker processes that parse large bodies (0: parse every body on the event loop).
-    parse_workers: int = 2
-    #: Gateway replicas sharing each tenant's rate limits; this one enforces 1/replicas of them.
-    replicas: int = 1
-    max_queue: int = 64
-    max_queue_wait_s: float = 10.0
-    #: Requests each engine replica is given at once; more wait at the gateway and are released in fair
-    #: order (``admission.EngineQueue``). 256 is vLLM's default ``--max-num-seqs``: what an engine could
-    #: not run at once anyway. 0: no limit (the gateway holds nothing; vLLM's queue orders them).
-    engine_in_flight_per_replica: int = 256
-    #: Within an SLA tier: the Virtual Token Counter (True) or first come, first served (False).
-    fair_queuing: bool = True
-    #: The fair-queuing cost of an input and an output token (``fairness.TokenCost``).
-    fair_input_weight: float = 1.0
-    fair_output_weight: float = 2.0
-    affinity_prefix_chars: int = 512
-    load_factor: float = 1.25
-    #: ``max_tokens`` injected when a request sends none and the tenant table gives no bound.
-    default_max_tokens: int = 256
-    #: Hosts (exact, lower case) whose http(s) URLs media parts may carry; empty: ``data:`` URLs only
-    #: (``rewrite.check_media_urls``). The engines get the same list (``--allowed-media-domains``).
-    allowed_media_domains: frozenset[str] = frozenset()
-    connect_timeout_s: float = 2.0
-    #: Longest the engine may send nothing: before the answer's headers (a buffered answer's headers come
-    #: with its last token) and between two reads of a stream. Past it: 504, or an error event mid-stream.
-    upstream_read_timeout_s: float = 600.0
-    upstream_connections: int = 4096
-    #: On SIGTERM: how long in-flight requests may take to finish before they are cut.
-    drain_timeout_s: float = 60.0
-
-
-def per_source_connections(settings: GatewaySettings) -> int:
-    """The bound on connections from one source address (0: none): the setting, else a quarter of the
-    whole bound, so at least four hosts are needed to fill it."""
-    if settings.max_connections_per_source is not None:
-        return settings.max_connections_per_source
-    return max(1, settings.max_connections // 4)
 
 
 def error_response(
