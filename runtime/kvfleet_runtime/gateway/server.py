@@ -61,11 +61,18 @@ from kvfleet_runtime.gateway.admission import (
 )
 from kvfleet_runtime.gateway.connections import ConnectionGuards, GuardedSite
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
+from kvfleet_runtime.gateway.refusals import (
+    BODY_TIMEOUT,
+    BODY_TOO_LARGE,
+    GATEWAY_BUSY,
+    KEY_GONE,
+    Refusal,
+    refusal_of,
+)
 from kvfleet_runtime.gateway.rewrite import (
     UPSTREAM_SESSION_HEADERS,
     BadRequest,
     Endpoint,
-    ModelNotAllowed,
     PreparedRequest,
     RequestPolicy,
     build_request_id,
@@ -125,14 +132,6 @@ def _check_body_complete(size: int, length: int | None) -> None:
         raise BadRequest("the request body is empty; send a JSON object")
     if length is not None and size != length:
         raise BadRequest(f"the request body ended after {size} of its {length} bytes")
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _ParseUnavailable(Exception):
-    pass
 
 
 class _UsageTracker:
@@ -504,20 +503,19 @@ class Gateway:
         finally:
             self.proxying -= 1
 
-    def _reject(
-        self,
-        tenant: TenantRuntime,
-        gate: TenantGate | None,
-        model: str,
-        reason: str,
-        response: web.Response,
+    def _refuse(
+        self, tenant: TenantRuntime, gate: TenantGate | None, model: str, refusal: Refusal
     ) -> web.Response:
-        self.metrics.count_rejected(tenant.name, reason)
-        outcome = "unavailable" if reason in ("no_healthy_replica", "gateway_busy") else "client_error"
-        self.metrics.count_request(tenant.name, model, tenant.tier, outcome)
+        """Every refusal answered and counted the same way (``refusals``: one table of kinds)."""
+        kind = refusal.kind
+        self.metrics.count_rejected(tenant.name, kind.reason)
+        self.metrics.count_request(tenant.name, model, tenant.tier, kind.outcome)
+        headers = dict(kind.headers)
         if gate is not None:
-            response.headers.update(gate.rate_limit_headers())
-        return response
+            headers.update(gate.rate_limit_headers())
+        return error_response(
+            kind.status, refusal.message, kind.err_type, kind.code, param=refusal.param, headers=headers
+        )
 
     def _throttled(self, tenant: TenantRuntime, gate: TenantGate, exc: Throttled, model: str) -> web.Response:
         self.metrics.count_throttled(tenant.name, model, tenant.tier, exc.reason)
@@ -529,13 +527,16 @@ class Gateway:
             headers={"Retry-After": exc.retry_after_header, **gate.rate_limit_headers()},
         )
 
+    def _body_too_large(self) -> Refusal:
+        return Refusal(BODY_TOO_LARGE, f"request body larger than {self.settings.max_body_bytes} bytes")
+
     async def _read_body(self, request: web.Request, reservation: BodyReservation) -> bytes | bytearray:
         """The whole body, reserved in the body budget before (or, without a length, as) it arrives."""
         limit = self.settings.max_body_bytes
         length = request.content_length
         if length is not None:
             if length > limit:
-                raise _BodyTooLarge
+                raise self._body_too_large()
             reservation.grow(length)
             content = request.content
             if content.is_eof():
@@ -551,7 +552,7 @@ class Gateway:
             while chunk := await request.content.readany():
                 end = size + len(chunk)
                 if end > limit:
-                    raise _BodyTooLarge
+                    raise self._body_too_large()
                 if length is None:
                     reservation.grow(len(chunk))
                     body += chunk
@@ -577,7 +578,7 @@ class Gateway:
             if self._parse_pool is pool:
                 self._parse_pool = None
                 pool.shutdown(wait=False, cancel_futures=True)
-            raise _ParseUnavailable from None
+            raise Refusal(GATEWAY_BUSY, "the gateway could not parse the request; retry") from None
 
     async def _proxy(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived = time.perf_counter()
@@ -588,15 +589,8 @@ class Gateway:
         gate = self.gates.get(tenant.name)
         policy = self.policies.get(tenant.name)
         if gate is None or policy is None:  # removed by a reload between auth and here
-            return self._reject(
-                tenant,
-                None,
-                model_label,
-                "unauthenticated",
-                error_response(
-                    401, "this API key is no longer valid", "invalid_request_error", "invalid_api_key"
-                ),
-            )
+            gone = Refusal(KEY_GONE, "this API key is no longer valid")
+            return self._refuse(tenant, None, model_label, gone)
         reservation = self.body_budget.reserve(tenant.name, 0)
         try:
             try:
@@ -610,95 +604,21 @@ class Gateway:
                     return self._throttled(
                         tenant, gate, Throttled("body_bytes", 1.0, exc.message), model_label
                     )
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "gateway_busy",
-                    error_response(
-                        503,
-                        exc.message + "; retry shortly",
-                        "service_unavailable",
-                        "gateway_busy",
-                        headers={"Retry-After": "1"},
-                    ),
-                )
-            except _BodyTooLarge:
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "body_too_large",
-                    error_response(
-                        413,
-                        f"request body larger than {self.settings.max_body_bytes} bytes",
-                        "invalid_request_error",
-                        "body_too_large",
-                        headers={"Connection": "close"},
-                    ),
-                )
+                refusal = Refusal(GATEWAY_BUSY, exc.message + "; retry shortly")
+            except Refusal as exc:
+                refusal = exc
             except TimeoutError:
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "body_timeout",
-                    error_response(
-                        408,
-                        f"request body not received within {self.settings.body_timeout_s:g} s",
-                        "invalid_request_error",
-                        "body_timeout",
-                        headers={"Connection": "close"},
-                    ),
+                refusal = Refusal(
+                    BODY_TIMEOUT, f"request body not received within {self.settings.body_timeout_s:g} s"
                 )
-            except ModelNotAllowed as exc:
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "model_not_allowed",
-                    error_response(
-                        403, exc.message, "permission_error", "model_not_allowed", param=exc.param
-                    ),
+            except (BadRequest, RequestTooLarge) as exc:
+                refusal = refusal_of(exc)
+            else:
+                del raw
+                return await self._admit_and_forward(
+                    request, endpoint, tenant, gate, prepared, reservation, arrived
                 )
-            except BadRequest as exc:
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "bad_request",
-                    error_response(
-                        400, exc.message, "invalid_request_error", "invalid_request", param=exc.param
-                    ),
-                )
-            except RequestTooLarge as exc:
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "request_too_large",
-                    error_response(
-                        400, exc.message, "invalid_request_error", "request_too_large", param=exc.param
-                    ),
-                )
-            except _ParseUnavailable:
-                return self._reject(
-                    tenant,
-                    gate,
-                    model_label,
-                    "gateway_busy",
-                    error_response(
-                        503,
-                        "the gateway could not parse the request; retry",
-                        "service_unavailable",
-                        "gateway_busy",
-                        headers={"Retry-After": "1"},
-                    ),
-                )
-            del raw
-            return await self._admit_and_forward(
-                request, endpoint, tenant, gate, prepared, reservation, arrived
-            )
+            return self._refuse(tenant, gate, model_label, refusal)
         finally:
             reservation.release()
 

@@ -1,0 +1,44 @@
+"""One table of the gateway's refusals (gateway/refusals.py): each kind's status, OpenAI error and the
+reason it is counted under, and the refusal each parsing error becomes."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from kvfleet_runtime.gateway import refusals as r
+from kvfleet_runtime.gateway.admission import RequestTooLarge
+from kvfleet_runtime.gateway.rewrite import BadRequest, ModelNotAllowed
+
+
+def test_each_kind_is_answered_and_counted_as_the_dashboards_expect() -> None:
+    table = {k.code: (k.status, k.err_type, k.reason, k.outcome) for k in r.KINDS}
+    assert table == {
+        "invalid_api_key": (401, "invalid_request_error", "unauthenticated", "client_error"),
+        "gateway_busy": (503, "service_unavailable", "gateway_busy", "unavailable"),
+        "body_too_large": (413, "invalid_request_error", "body_too_large", "client_error"),
+        "body_timeout": (408, "invalid_request_error", "body_timeout", "client_error"),
+        "model_not_allowed": (403, "permission_error", "model_not_allowed", "client_error"),
+        "invalid_request": (400, "invalid_request_error", "bad_request", "client_error"),
+        "request_too_large": (400, "invalid_request_error", "request_too_large", "client_error"),
+    }
+    # A refusal that did not read the whole body closes the connection; a busy gateway says when to retry.
+    assert dict(r.BODY_TOO_LARGE.headers) == dict(r.BODY_TIMEOUT.headers) == {"Connection": "close"}
+    assert dict(r.GATEWAY_BUSY.headers) == {"Retry-After": "1"}
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (ModelNotAllowed("model 'x' is not served to this key", "model"), r.MODEL_NOT_ALLOWED),
+        (BadRequest("'messages' must be a list", "messages"), r.BAD_REQUEST),
+        (RequestTooLarge("max_tokens exceeds the context", "max_tokens"), r.REQUEST_TOO_LARGE),
+    ],
+)
+def test_a_parsing_error_becomes_its_refusal_with_its_message_and_param(
+    error: BadRequest | RequestTooLarge, kind: r.RefusalKind
+) -> None:
+    # Raised in a parse worker, the error crosses a process boundary first.
+    refusal = r.refusal_of(pickle.loads(pickle.dumps(error)))
+    assert (refusal.kind, refusal.message, refusal.param) == (kind, error.message, error.param)
