@@ -13,19 +13,24 @@ from kvfleet_runtime.gateway.rewrite import BadRequest, ModelNotAllowed
 
 
 def test_each_kind_is_answered_and_counted_as_the_dashboards_expect() -> None:
-    table = {k.code: (k.status, k.err_type, k.reason, k.outcome) for k in r.KINDS}
+    table = {(k.status, k.code): (k.err_type, k.reason, k.outcome) for k in r.KINDS}
     assert table == {
-        "invalid_api_key": (401, "invalid_request_error", "unauthenticated", "client_error"),
-        "gateway_busy": (503, "service_unavailable", "gateway_busy", "unavailable"),
-        "body_too_large": (413, "invalid_request_error", "body_too_large", "client_error"),
-        "body_timeout": (408, "invalid_request_error", "body_timeout", "client_error"),
-        "model_not_allowed": (403, "permission_error", "model_not_allowed", "client_error"),
-        "invalid_request": (400, "invalid_request_error", "bad_request", "client_error"),
-        "request_too_large": (400, "invalid_request_error", "request_too_large", "client_error"),
+        (401, "invalid_api_key"): ("invalid_request_error", "unauthenticated", "client_error"),
+        (400, "invalid_api_key"): ("invalid_request_error", "bad_request", "client_error"),
+        (403, "ambiguous_api_key"): ("permission_error", "ambiguous_api_key", "client_error"),
+        (503, "gateway_busy"): ("service_unavailable", "gateway_busy", "unavailable"),
+        (413, "body_too_large"): ("invalid_request_error", "body_too_large", "client_error"),
+        (408, "body_timeout"): ("invalid_request_error", "body_timeout", "client_error"),
+        (403, "model_not_allowed"): ("permission_error", "model_not_allowed", "client_error"),
+        (400, "invalid_request"): ("invalid_request_error", "bad_request", "client_error"),
+        (400, "request_too_large"): ("invalid_request_error", "request_too_large", "client_error"),
+        (503, "no_healthy_replica"): ("service_unavailable", "no_healthy_replica", "unavailable"),
     }
-    # A refusal that did not read the whole body closes the connection; a busy gateway says when to retry.
+    # A refusal that did not read the whole body closes the connection; a busy gateway says when to retry;
+    # a 401 names the scheme (RFC 9110).
     assert dict(r.BODY_TOO_LARGE.headers) == dict(r.BODY_TIMEOUT.headers) == {"Connection": "close"}
     assert dict(r.GATEWAY_BUSY.headers) == {"Retry-After": "1"}
+    assert dict(r.UNAUTHENTICATED.headers) == {"WWW-Authenticate": "Bearer"}
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,18 @@ class RefusalKind:
     headers: tuple[tuple[str, str], ...] = ()
 
 
-#: The key was valid when the request arrived, and its tenant left the table before the body was read.
-KEY_GONE = RefusalKind(401, "invalid_request_error", "invalid_api_key", "unauthenticated")
+#: No key, a key no tenant holds, or a key whose tenant left the table while its request was read.
+UNAUTHENTICATED = RefusalKind(
+    401,
+    "invalid_request_error",
+    "invalid_api_key",
+    "unauthenticated",
+    headers=(("WWW-Authenticate", "Bearer"),),
+)
+#: An ``Authorization`` header that is not text.
+MALFORMED_KEY = RefusalKind(400, "invalid_request_error", "invalid_api_key", "bad_request")
+#: A key listed by two tenants: refused for both, never routed.
+AMBIGUOUS_KEY = RefusalKind(403, "permission_error", "ambiguous_api_key", "ambiguous_api_key")
 #: No room for the body in the process's budget, or no body-parsing worker: retry shortly.
 GATEWAY_BUSY = RefusalKind(
     503, "service_unavailable", "gateway_busy", "gateway_busy", "unavailable", (("Retry-After", "1"),)
@@ -47,16 +57,23 @@ MODEL_NOT_ALLOWED = RefusalKind(403, "permission_error", "model_not_allowed", "m
 BAD_REQUEST = RefusalKind(400, "invalid_request_error", "invalid_request", "bad_request")
 #: A request that can never run within the tenant's limits (its context, its KV burst cap).
 REQUEST_TOO_LARGE = RefusalKind(400, "invalid_request_error", "request_too_large", "request_too_large")
+#: No replica of the tenant's pool is healthy, or none accepted a connection: nothing was sent.
+NO_HEALTHY_REPLICA = RefusalKind(
+    503, "service_unavailable", "no_healthy_replica", "no_healthy_replica", "unavailable"
+)
 
 #: Every kind, for the tests and the docs.
 KINDS = (
-    KEY_GONE,
+    UNAUTHENTICATED,
+    MALFORMED_KEY,
+    AMBIGUOUS_KEY,
     GATEWAY_BUSY,
     BODY_TOO_LARGE,
     BODY_TIMEOUT,
     MODEL_NOT_ALLOWED,
     BAD_REQUEST,
     REQUEST_TOO_LARGE,
+    NO_HEALTHY_REPLICA,
 )
 
 

@@ -62,10 +62,13 @@ from kvfleet_runtime.gateway.admission import (
 from kvfleet_runtime.gateway.connections import ConnectionGuards, GuardedSite
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.refusals import (
+    AMBIGUOUS_KEY,
     BODY_TIMEOUT,
     BODY_TOO_LARGE,
     GATEWAY_BUSY,
-    KEY_GONE,
+    MALFORMED_KEY,
+    NO_HEALTHY_REPLICA,
+    UNAUTHENTICATED,
     Refusal,
     refusal_of,
 )
@@ -110,6 +113,15 @@ def error_response(
     body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
     return web.Response(
         status=status, body=json.dumps(body).encode(), content_type="application/json", headers=headers
+    )
+
+
+def refusal_response(refusal: Refusal, headers: dict[str, str] | None = None) -> web.Response:
+    """The answer to ``refusal``: its kind's status, error body and headers, plus ``headers``."""
+    kind = refusal.kind
+    merged = {**dict(kind.headers), **(headers or {})}
+    return error_response(
+        kind.status, refusal.message, kind.err_type, kind.code, param=refusal.param, headers=merged
     )
 
 
@@ -459,10 +471,10 @@ class Gateway:
         if isinstance(found, TenantRuntime):
             request[_TENANT_KEY] = found.name  # for the responses-by-status count (``on_response_prepare``)
             return found
-        reason, response = _AUTH_REFUSALS[found]
-        self.metrics.count_rejected(m.UNAUTHENTICATED, reason)
-        self.metrics.count_request(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, "client_error")
-        return _closing(response())
+        refusal = _AUTH_REFUSALS[found]
+        self.metrics.count_rejected(m.UNAUTHENTICATED, refusal.kind.reason)
+        self.metrics.count_request(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, refusal.kind.outcome)
+        return _closing(refusal_response(refusal))
 
     async def expect_continue(self, request: web.Request) -> web.Response | None:
         """``Expect: 100-continue``: authenticate before telling the client to send its body."""
@@ -507,15 +519,9 @@ class Gateway:
         self, tenant: TenantRuntime, gate: TenantGate | None, model: str, refusal: Refusal
     ) -> web.Response:
         """Every refusal answered and counted the same way (``refusals``: one table of kinds)."""
-        kind = refusal.kind
-        self.metrics.count_rejected(tenant.name, kind.reason)
-        self.metrics.count_request(tenant.name, model, tenant.tier, kind.outcome)
-        headers = dict(kind.headers)
-        if gate is not None:
-            headers.update(gate.rate_limit_headers())
-        return error_response(
-            kind.status, refusal.message, kind.err_type, kind.code, param=refusal.param, headers=headers
-        )
+        self.metrics.count_rejected(tenant.name, refusal.kind.reason)
+        self.metrics.count_request(tenant.name, model, tenant.tier, refusal.kind.outcome)
+        return refusal_response(refusal, gate.rate_limit_headers() if gate is not None else None)
 
     def _throttled(self, tenant: TenantRuntime, gate: TenantGate, exc: Throttled, model: str) -> web.Response:
         self.metrics.count_throttled(tenant.name, model, tenant.tier, exc.reason)
@@ -589,7 +595,7 @@ class Gateway:
         gate = self.gates.get(tenant.name)
         policy = self.policies.get(tenant.name)
         if gate is None or policy is None:  # removed by a reload between auth and here
-            gone = Refusal(KEY_GONE, "this API key is no longer valid")
+            gone = Refusal(UNAUTHENTICATED, "this API key is no longer valid")
             return self._refuse(tenant, None, model_label, gone)
         reservation = self.body_budget.reserve(tenant.name, 0)
         try:
@@ -712,7 +718,7 @@ class Gateway:
                     else f"no replica of pool {pool!r} could be connected to ({len(tried) - slow} refused or "
                     f"unreachable, {slow} did not accept within {self.settings.connect_timeout_s:g} s)"
                 )
-                return error_response(503, reason, "service_unavailable", "no_healthy_replica")
+                return refusal_response(Refusal(NO_HEALTHY_REPLICA, reason))
             tried.add(replica.url)
             replica.in_flight += 1
             try:
@@ -784,7 +790,7 @@ class Gateway:
             connected.headers.update(limit_headers)
             if connected.status == 503:
                 admission.settle_usage(0, 0)  # sent to no engine: nothing was generated
-                self.metrics.count_rejected(tenant.name, "no_healthy_replica")
+                self.metrics.count_rejected(tenant.name, NO_HEALTHY_REPLICA.reason)
                 return connected, "unavailable"
             return connected, "upstream_error"  # the engine may have run it: the estimate stays charged
         upstream, replica = connected
@@ -1039,49 +1045,16 @@ def _closing(response: web.Response) -> web.Response:
     return response
 
 
-def _auth_refusal(status: int, message: str, err_type: str, code: str) -> Callable[[], web.Response]:
-    def build() -> web.Response:
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return error_response(status, message, err_type, code, headers=headers)
-
-    return build
-
-
-#: Per way authentication fails: the ``rejected`` reason and the answer.
-_AUTH_REFUSALS: dict[AuthFailure, tuple[str, Callable[[], web.Response]]] = {
-    AuthFailure.MISSING: (
-        "unauthenticated",
-        _auth_refusal(
-            401,
-            "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-            "invalid_request_error",
-            "invalid_api_key",
-        ),
-    ),
-    AuthFailure.UNKNOWN: (
-        "unauthenticated",
-        _auth_refusal(
-            401,
-            "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-            "invalid_request_error",
-            "invalid_api_key",
-        ),
-    ),
-    AuthFailure.MALFORMED: (
-        "bad_request",
-        _auth_refusal(
-            400, "the Authorization header is not valid UTF-8", "invalid_request_error", "invalid_api_key"
-        ),
-    ),
-    AuthFailure.AMBIGUOUS: (
-        "ambiguous_api_key",
-        _auth_refusal(
-            403,
-            "this API key is not assigned to exactly one tenant, so it is refused; ask your administrator "
-            "for a new key",
-            "permission_error",
-            "ambiguous_api_key",
-        ),
+_WRONG_KEY = "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
+#: Per way authentication fails, the refusal (``refusals``).
+_AUTH_REFUSALS: dict[AuthFailure, Refusal] = {
+    AuthFailure.MISSING: Refusal(UNAUTHENTICATED, _WRONG_KEY),
+    AuthFailure.UNKNOWN: Refusal(UNAUTHENTICATED, _WRONG_KEY),
+    AuthFailure.MALFORMED: Refusal(MALFORMED_KEY, "the Authorization header is not valid UTF-8"),
+    AuthFailure.AMBIGUOUS: Refusal(
+        AMBIGUOUS_KEY,
+        "this API key is not assigned to exactly one tenant, so it is refused; ask your administrator "
+        "for a new key",
     ),
 }
 
