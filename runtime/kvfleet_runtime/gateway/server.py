@@ -15,6 +15,11 @@ Request path (``/v1/chat/completions``, ``/v1/completions``):
   error event. Either way the replica takes no new request until a health check passes (active checks
   every ``health_interval_s``; one at once after a failure). SIGTERM drains (``serve``).
 
+Every refusal on that path (the 4xx and 503s before a request is forwarded) is one kind of
+``refusals.RefusalKind``: its status, OpenAI error and counted reason are in that table, and the handler
+answers them all the same way (``refusal_response``). The process's settings are declared once, with their
+flags, in ``settings.py``.
+
 Metrics are served on their own port (``build_metrics_app``), never on the public one.
 
 A client that disconnects cancels its handler (the runner is built with ``handler_cancellation``), which
