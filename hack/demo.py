@@ -532,7 +532,9 @@ def run(keep: bool, rounds: int, report_path: Path | None, local: bool) -> int:
             "pods_and_nodes": placement(plane),
             "gateway": dp.gateway_url,
             "traffic": traffic,
-            "prometheus_targets_up": scraped_up(stack.prometheus),
+            "prometheus_targets_up": scraped_up(
+                stack.prometheus, POD_COMPONENTS if mode == REAL_PODS else frozenset()
+            ),
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         if report_path is not None:
@@ -619,9 +621,16 @@ def bring_up_real_pods(stack: Stack) -> tuple[ControlPlane, list[dict[str, Any]]
     return plane, tenants, dp
 
 
-def scraped_up(prometheus: PrometheusServer, timeout: float = 30.0) -> dict[str, int]:
-    """``up`` per scraped component (pod discovery's ``component`` label, else the job), once every target
-    has been scraped at least once (or after ``timeout``)."""
+#: What Prometheus discovers in real-pods mode (pod discovery's ``component`` label).
+POD_COMPONENTS = frozenset({"operator", "gateway", "engine"})
+
+
+def scraped_up(
+    prometheus: PrometheusServer, expected: frozenset[str] = frozenset(), timeout: float = 60.0
+) -> dict[str, int]:
+    """``up`` per scraped component (pod discovery's ``component`` label, else the job), once every target,
+    and each of ``expected``, has been scraped at least once (or after ``timeout``). Pod discovery finds
+    the pods one by one: without ``expected``, the first pod scraped would end the wait."""
     deadline = time.monotonic() + timeout
     up: dict[str, int] = {}
     while time.monotonic() < deadline:
@@ -630,9 +639,9 @@ def scraped_up(prometheus: PrometheusServer, timeout: float = 30.0) -> dict[str,
             r["metric"].get("component") or r["metric"].get("job", "?"): int(float(r["value"][1]))
             for r in result
         }
-        if up and all(up.values()):
+        if up and all(up.values()) and expected <= up.keys():
             break
-        time.sleep(2)
+        time.sleep(1)
     return up
 
 
