@@ -76,12 +76,13 @@ _PYTEST_SUMMARY = re.compile(r"=+ (.*\d+ (passed|failed).* in [\d.]+s.*) =+")
 #: hack/test.sh's phase lines after the provisioning steps (bootstrap starts at the log's first line).
 _PHASES = (("lint", "==> ruff"), ("tests", "==> pytest"))
 #: A step's start: ``==> STEP`` alone, or followed by what it does (hack/provision.sh).
-_STEP = re.compile(r"^==> hack/provision\.d/\d+-([a-z0-9-]+)\.sh(?: .*)?$")
+#: Searched, not matched: a line may follow pytest's progress dots on the same output line.
+_STEP = re.compile(r"(?:^|[.FEsx])==> hack/provision\.d/\d+-([a-z0-9-]+)\.sh(?: .*)?$")
 _STEP_END = re.compile(
-    r"^<== hack/provision\.d/\d+-([a-z0-9-]+)\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$"
+    r"<== hack/provision\.d/\d+-([a-z0-9-]+)\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$"
 )
 #: The end of the lint lane beside provisioning (hack/test.sh: hack/provision.sh --also hack/lint.sh).
-_LINT_LANE_END = re.compile(r"^<== hack/lint\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$")
+_LINT_LANE_END = re.compile(r"<== hack/lint\.sh: (?:done in|failed \(exit \d+\) after) (\d+) s$")
 
 
 @dataclass(frozen=True)
@@ -131,15 +132,15 @@ def parse_log(lines: Sequence[str]) -> ColdRun:
     for index, (at, text) in enumerate(stamped):
         if report is None and text.rstrip() == DEMO_REPORT:
             report = (at - stamped[0][0], index)
-        step = _STEP.match(text.strip())
+        step = _STEP.search(text.strip())
         if step is not None:
             if not step_starts:
                 starts.append(("provision", at))
             step_starts.append((step.group(1), at))
-        step_end = _STEP_END.match(text.strip())
+        step_end = _STEP_END.search(text.strip())
         if step_end is not None:
             ended[step_end.group(1)] = int(step_end.group(2))
-        lint_end = _LINT_LANE_END.match(text.strip())
+        lint_end = _LINT_LANE_END.search(text.strip())
         if lint_end is not None:
             lint_lane = int(lint_end.group(1))
         starts.extend((phase, at) for phase, marker in _PHASES if text.strip() == marker)
@@ -338,6 +339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parse_p.add_argument("log", type=Path)
     parse_p.add_argument("--exit-status", type=int, default=None, help="the run's exit status, if known")
     parse_p.add_argument(
+        "--step-logs",
+        type=Path,
+        default=None,
+        help="that run's provisioning step logs ($KVFLEET_CACHE/logs/provision): the Go timings",
+    )
+    parse_p.add_argument(
         "--command",
         dest="command_run",
         default=None,
@@ -359,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         log, status, step_logs = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place)
     else:
-        log, status = args.log, args.exit_status
+        log, status, step_logs = args.log, args.exit_status, args.step_logs
     run = parse_log(log.read_text().splitlines())
     if step_logs is not None:  # today's hack/provision.sh keeps the Go timings in the steps' logs
         run = replace(run, go_builds={**run.go_builds, **go_builds_in_step_logs(step_logs)})

@@ -145,6 +145,24 @@ def test_hack_provision_sh_log_lint_beside_provisioning() -> None:
     assert figures_of(parse_log(LANES_LOG.splitlines()))["lint_s"].median == 90
 
 
+def test_a_step_line_after_pytest_dots_on_the_same_line_is_read() -> None:
+    """pytest starts beside the late steps: their lines can follow its progress dots without a newline."""
+    run = parse_log(
+        [
+            "10:00:00 ==> creating .venv",
+            "10:00:30 ==> hack/provision.d/10-cluster.sh [build] the control plane (~22 min cold)",
+            "10:00:31 ==> hack/provision.d/40-images.sh [fetch] the images (~17 min cold)",
+            "10:10:00 <== hack/provision.d/10-cluster.sh: done in 570 s",
+            "10:10:00 ==> pytest",
+            "10:10:02 ==> hack/provision.d/30-node.sh [build] the real node (~11 min cold)",
+            "10:20:00 .<== hack/provision.d/40-images.sh: done in 1169 s",
+            "10:25:00 ..F.<== hack/provision.d/30-node.sh: done in 898 s",
+            "10:40:00 ===== 1 failed, 9 passed in 1790.00s (0:29:50) =====",
+        ]
+    )
+    assert run.steps == {"cluster": 570, "images": 1169, "node": 898}
+
+
 def test_go_timings_from_the_steps_own_logs(tmp_path: Path) -> None:
     """Today's hack/provision.sh keeps hack/build-cluster.sh's timing lines in each step's log, not in its
     output: they are read there (the last line of a group wins, as in a log)."""
