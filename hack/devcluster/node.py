@@ -584,7 +584,8 @@ def _built_images() -> dict[str, tuple[list[str], str | None]]:
     }
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
+    """Whether ``url`` answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return bool(resp.status == 200)
@@ -714,7 +715,7 @@ def _start(plane: Any, node: RealNode, *, service_cidr: str, timeout: float, ima
     plane.processes.append(coredns)
 
     for check, what in (
-        (lambda: _http_ok(f"http://127.0.0.1:{healthz}/healthz"), "kubelet /healthz"),
+        (lambda: http_ok(f"http://127.0.0.1:{healthz}/healthz"), "kubelet /healthz"),
         (lambda: node_ready(plane), f"node {NODE_NAME} Ready"),
     ):
         wait_until(check, timeout=timeout, what=what, watch=plane.processes)
@@ -734,9 +735,9 @@ def _start(plane: Any, node: RealNode, *, service_cidr: str, timeout: float, ima
     plane.processes.append(router)
 
     checks = (
-        (lambda: _http_ok(f"http://127.0.0.1:{proxy_healthz}/healthz"), "kube-proxy /healthz"),
-        (lambda: _http_ok(f"http://127.0.0.1:{dns_ready}/ready"), "CoreDNS /ready"),
-        (lambda: _http_ok(f"http://127.0.0.1:{router_health}/healthz"), "kube-router /healthz"),
+        (lambda: http_ok(f"http://127.0.0.1:{proxy_healthz}/healthz"), "kube-proxy /healthz"),
+        (lambda: http_ok(f"http://127.0.0.1:{dns_ready}/ready"), "CoreDNS /ready"),
+        (lambda: http_ok(f"http://127.0.0.1:{router_health}/healthz"), "kube-router /healthz"),
     )
     for check, what in checks:
         wait_until(check, timeout=timeout, what=what, watch=plane.processes)

@@ -20,8 +20,6 @@ import base64
 import os
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,7 +27,7 @@ from typing import Any, TypeVar
 import yaml
 
 from . import binaries
-from .node import kvfleet_images, missing_node_components
+from .node import http_ok, kvfleet_images, missing_node_components
 from .prometheus import PrometheusServer, start_prometheus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -251,16 +249,8 @@ def gateway_service_url(plane: Any, namespace: str, md: str = MD, timeout: float
     service = kube(plane, "GET", f"/api/v1/namespaces/{namespace}/services/{md}-gateway")
     port = next(p["port"] for p in service["spec"]["ports"] if p.get("name") == "http")
     url = f"http://{service['spec']['clusterIP']}:{port}"
-
-    def routed() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=5) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
     what = f"the gateway Service {namespace}/{md}-gateway routing to a Ready pod"
-    wait_for(routed, what, timeout, plane, interval=0.5)
+    wait_for(lambda: http_ok(url + "/readyz"), what, timeout, plane, interval=0.5)
     return url
 
 
