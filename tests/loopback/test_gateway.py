@@ -195,8 +195,8 @@ async def test_dedicated_tenant_goes_to_its_own_pool(tmp_path: Path) -> None:
                 [ACME, ded], {"shared": [env.engines[0].url], "bank-pool": [dedicated[0].url]}
             )
             env.config.write_text(json.dumps(table.model_dump(mode="json")))
-            await _until(lambda: env.gateway.routers["bank-pool"].replicas.get(dedicated[0].url) is not None)
-            await env.gateway.check_health_once()
+            await _until(lambda: env.gateway.pipeline.routers["bank-pool"].replicas.get(dedicated[0].url) is not None)
+            await env.gateway.pipeline.check_health_once()
             await env.chat("bank")
             await env.chat("acme")
             assert len(dedicated[0].received) == 1 and len(env.engines[0].received) == 1
@@ -220,7 +220,7 @@ async def test_tokens_per_minute_counts_the_estimate_and_reconciles_usage(tmp_pa
     t = TenantRow("tpm", rate_limits=RateLimits(tokens_per_minute=400))
     async with gateway_env(tmp_path, [t]) as env:
         await env.chat("tpm", content="x" * 400, max_tokens=150)  # ~100 + 4 + 150 estimated
-        gate = env.gateway.gates["tpm"]
+        gate = env.gateway.pipeline.gates["tpm"]
         assert (
             gate.tpm is not None and 400 - 130 < gate.tpm.level < 400 - 100
         )  # usage ~116, not the estimate ~254
@@ -245,7 +245,7 @@ async def test_max_concurrent_queues_then_times_out_with_429(tmp_path: Path) -> 
         assert await env.metric(m.QUEUE_TIME_SECONDS + "_count", tenant="c1") == 2
     async with gateway_env(tmp_path, [t], engine_kwargs={"delay_s": 0.5}, max_queue_wait_s=0.1) as env:
         first = asyncio.create_task(env.chat("c1"))
-        await _until(lambda: env.gateway.gates["c1"].in_flight == 1)
+        await _until(lambda: env.gateway.pipeline.gates["c1"].in_flight == 1)
         _, data, headers = await env.chat("c1", status=429)
         assert data["error"]["code"] == "concurrency" and headers["Retry-After"] == "1"
         await first
@@ -259,10 +259,10 @@ async def test_kv_budget_queues_requests_beyond_the_burst_limit(tmp_path: Path) 
         assert [r[0] for r in results] == [200, 200, 200]
         starts = sorted(r.at for r in env.engines[0].received)
         assert starts[2] - starts[0] >= 0.35
-        assert env.gateway.gates["kv"].kv_in_flight == 0
+        assert env.gateway.pipeline.gates["kv"].kv_in_flight == 0
     async with gateway_env(tmp_path, [t], engine_kwargs={"delay_s": 0.4}, max_queue_wait_s=0.1) as env:
         first = asyncio.create_task(env.chat("kv", max_tokens=100))
-        await _until(lambda: env.gateway.gates["kv"].in_flight == 1)
+        await _until(lambda: env.gateway.pipeline.gates["kv"].in_flight == 1)
         _, data, _ = await env.chat("kv", max_tokens=100, status=429)
         assert data["error"]["code"] == "kv_budget" and "KV budget" in data["error"]["message"]
         await first
@@ -360,9 +360,9 @@ async def test_unreachable_pool_is_503_and_not_ready(tmp_path: Path) -> None:
         env.config.write_text(json.dumps(table.model_dump(mode="json")))
         await _until(
             lambda: (
-                "empty" in env.gateway.routers
-                and not env.gateway.routers["empty"].healthy
-                and all(r.checked for r in env.gateway.routers["empty"].replicas.values())
+                "empty" in env.gateway.pipeline.routers
+                and not env.gateway.pipeline.routers["empty"].healthy
+                and all(r.checked for r in env.gateway.pipeline.routers["empty"].replicas.values())
             )
         )
         _, data, _ = await env.chat("lonely", status=503)
@@ -378,7 +378,7 @@ async def test_readyz_and_healthz(tmp_path: Path) -> None:
         async with env.http.get(env.url + "/readyz") as r:
             assert r.status == 503 and "no healthy" in (await r.json())["reason"]
         env.engines[0].healthy = True
-        await env.gateway.check_health_once()
+        await env.gateway.pipeline.check_health_once()
         async with env.http.get(env.url + "/readyz") as r:
             assert r.status == 200
 
@@ -422,7 +422,7 @@ async def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) ->
             resp.close()
         await _until(lambda: env.engines[0].cancelled == 1)
         assert env.engines[0].finished == 0
-        await _until(lambda: env.gateway.gates["acme"].in_flight == 0)
+        await _until(lambda: env.gateway.pipeline.gates["acme"].in_flight == 0)
         env.engines[0].delay_s = 5.0  # non-streaming: the client gives up while the engine works
         with pytest.raises(TimeoutError):
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as own:
@@ -430,7 +430,7 @@ async def test_client_disconnect_cancels_the_upstream_request(tmp_path: Path) ->
                     env.url + "/v1/chat/completions", json={**body, "stream": False}, headers=env.auth("acme")
                 )
         await _until(lambda: env.engines[0].cancelled == 2)
-        await _until(lambda: env.gateway.gates["acme"].in_flight == 0)
+        await _until(lambda: env.gateway.pipeline.gates["acme"].in_flight == 0)
         assert await env.metric(m.REQUESTS_TOTAL, tenant="acme", outcome="cancelled") == 2
 
 
@@ -447,7 +447,7 @@ async def test_hot_reload_adds_tenants_keeps_in_flight_and_survives_a_bad_table(
 ) -> None:
     async with gateway_env(tmp_path, [ACME], engine_kwargs={"delay_s": 0.5}) as env:
         in_flight = asyncio.create_task(env.chat("acme"))
-        await _until(lambda: env.gateway.gates["acme"].in_flight == 1)
+        await _until(lambda: env.gateway.pipeline.gates["acme"].in_flight == 1)
         newcomer = TenantRow("newcomer")
         table = build_table([ACME, newcomer], {"shared": [env.engines[0].url]})
         keyfile, plain = build_keys([newcomer], env.keyfile.salt_key_hex)
@@ -457,7 +457,7 @@ async def test_hot_reload_adds_tenants_keeps_in_flight_and_survives_a_bad_table(
         env.keys.update(plain)
         env.keys_path.write_text(json.dumps(keyfile.model_dump(mode="json")))
         env.config.write_text(json.dumps(table.model_dump(mode="json")))
-        await _until(lambda: "newcomer" in (env.gateway.snapshot.tenants if env.gateway.snapshot else {}))
+        await _until(lambda: "newcomer" in (env.gateway.pipeline.snapshot.tenants if env.gateway.pipeline.snapshot else {}))
         assert (await in_flight)[0] == 200
         env.engines[0].delay_s = 0
         await env.chat("newcomer")
@@ -477,15 +477,15 @@ async def test_hot_reload_adds_tenants_keeps_in_flight_and_survives_a_bad_table(
 async def test_a_removed_tenant_finishes_its_request_and_then_leaves_no_gate_behind(tmp_path: Path) -> None:
     async with gateway_env(tmp_path, [ACME, TenantRow("other")], engine_kwargs={"delay_s": 0.5}) as env:
         in_flight = asyncio.create_task(env.chat("acme"))
-        await _until(lambda: env.gateway.gates["acme"].in_flight == 1)
+        await _until(lambda: env.gateway.pipeline.gates["acme"].in_flight == 1)
         table = build_table([TenantRow("other")], {"shared": [env.engines[0].url]})
         env.config.write_text(json.dumps(table.model_dump(mode="json")))
-        await _until(lambda: "acme" not in (env.gateway.snapshot.tenants if env.gateway.snapshot else {}))
-        assert "acme" in env.gateway.gates  # still in flight: its gate stays until the answer is back
+        await _until(lambda: "acme" not in (env.gateway.pipeline.snapshot.tenants if env.gateway.pipeline.snapshot else {}))
+        assert "acme" in env.gateway.pipeline.gates  # still in flight: its gate stays until the answer is back
         assert (await in_flight)[0] == 200
-        assert "acme" not in env.gateway.gates
+        assert "acme" not in env.gateway.pipeline.gates
         await env.chat("acme", status=401)  # and its key no longer works
-        assert set(env.gateway.gates) == {"other"}
+        assert set(env.gateway.pipeline.gates) == {"other"}
 
 
 async def test_reload_follows_a_configmap_style_symlink_swap(tmp_path: Path) -> None:
@@ -519,7 +519,7 @@ async def test_reload_follows_a_configmap_style_symlink_swap(tmp_path: Path) -> 
                 os.utime(v2 / n, ns=(stat_before[0], stat_before[0]))
             (mount / "..data_tmp").symlink_to("..2026_v2")
             os.replace(mount / "..data_tmp", mount / "..data")
-            await _until(lambda: gateway.snapshot is not None and "beta" in gateway.snapshot.tenants)
+            await _until(lambda: gateway.pipeline.snapshot is not None and "beta" in gateway.pipeline.snapshot.tenants)
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             async with http.post(
                 url + "/v1/chat/completions",

@@ -37,7 +37,7 @@ class Env:
 
     @property
     def queue(self) -> EngineQueue:
-        return self.gateway.engine_queues["shared"]
+        return self.gateway.pipeline.engine_queues["shared"]
 
     async def chat(self, tenant: str, content: str = "hi") -> aiohttp.ClientResponse:
         body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
@@ -147,7 +147,7 @@ async def test_a_held_request_that_waits_too_long_gets_429_with_retry_after(tmp_
         await asyncio.gather(*first)
         assert await env.metric(m.THROTTLED_TOTAL, tenant="light", reason="engine_queue") == 1
         assert env.queue.in_flight == 0 and env.queue.held() == 0
-        assert env.gateway.gates["light"].in_flight == 0
+        assert env.gateway.pipeline.gates["light"].in_flight == 0
         assert (await env.chat("light")).status == 200  # no slot was leaked
         assert len(env.engine.received) == 2
 
@@ -174,7 +174,7 @@ async def test_a_client_gone_while_held_leaves_no_slot_and_never_reaches_the_eng
             while env.queue.held():  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
         await asyncio.gather(*first)
-        assert env.queue.in_flight == 0 and env.gateway.gates["light"].in_flight == 0
+        assert env.queue.in_flight == 0 and env.gateway.pipeline.gates["light"].in_flight == 0
         assert env.served_order() == ["heavy"]
         assert (await env.chat("light")).status == 200
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from kvfleet_runtime.gateway import refusals as r
-from kvfleet_runtime.gateway.admission import RequestTooLarge
+from kvfleet_runtime.gateway.admission import RequestTooLarge, Throttled
 from kvfleet_runtime.gateway.rewrite import BadRequest, ModelNotAllowed
 
 
@@ -25,7 +25,12 @@ def test_each_kind_is_answered_and_counted_as_the_dashboards_expect() -> None:
         (400, "invalid_request"): ("invalid_request_error", "bad_request", "client_error"),
         (400, "request_too_large"): ("invalid_request_error", "request_too_large", "client_error"),
         (503, "no_healthy_replica"): ("service_unavailable", "no_healthy_replica", "unavailable"),
+        (429, "rate_limited"): ("rate_limit_error", "rate_limited", "client_error"),
+        (502, "upstream_failed"): ("upstream_error", "upstream_failed", "upstream_error"),
+        (504, "upstream_timeout"): ("upstream_error", "upstream_timeout", "upstream_error"),
     }
+    # Only a limit the tenant went over is counted as a throttle (throttled_total, its own code).
+    assert [k for k in r.KINDS if k.throttle] == [r.RATE_LIMITED]
     # A refusal that did not read the whole body closes the connection; a busy gateway says when to retry;
     # a 401 names the scheme (RFC 9110).
     assert dict(r.BODY_TOO_LARGE.headers) == dict(r.BODY_TIMEOUT.headers) == {"Connection": "close"}
@@ -47,3 +52,18 @@ def test_a_parsing_error_becomes_its_refusal_with_its_message_and_param(
     # Raised in a parse worker, the error crosses a process boundary first.
     refusal = r.refusal_of(pickle.loads(pickle.dumps(error)))
     assert (refusal.kind, refusal.message, refusal.param) == (kind, error.message, error.param)
+
+
+def test_a_limit_the_tenant_went_over_is_a_429_named_after_the_limit_with_when_to_retry() -> None:
+    refusal = r.refusal_of_throttle(Throttled("tokens_per_minute", 2.2, "over the tenant's tokens per minute"))
+    assert (refusal.kind, refusal.code, refusal.message) == (
+        r.RATE_LIMITED,
+        "tokens_per_minute",
+        "over the tenant's tokens per minute",
+    )
+    assert refusal.headers == {"Retry-After": "3"}  # whole seconds, rounded up
+
+
+def test_a_refusal_carries_its_kinds_headers_and_its_own() -> None:
+    refusal = r.Refusal(r.GATEWAY_BUSY, "busy", headers={"X-Extra": "1"})
+    assert (refusal.code, refusal.headers) == ("gateway_busy", {"Retry-After": "1", "X-Extra": "1"})

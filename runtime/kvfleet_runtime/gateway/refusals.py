@@ -1,17 +1,18 @@
-"""How the gateway refuses a request it will not forward: one table from each kind of refusal to its HTTP
+"""How the gateway refuses a request, or fails one it forwarded: one table from each kind to its HTTP
 status, its OpenAI error (``type``, ``code``), the reason it is counted under and the headers it carries.
 
-A stage that refuses raises ``Refusal(KIND, message)``; the request handler answers every refusal the same
-way (``Gateway._refuse``: the error body, the tenant's ``x-ratelimit-*`` headers, ``rejected_total`` and
-``requests_total`` counted). Limits a tenant went over are not refusals but 429s with their own headers
-(``admission.Throttled``).
+A stage of the request pipeline (``pipeline.py``) that refuses raises ``Refusal(KIND, message)``; every
+front door answers every refusal the same way (the error body, the tenant's ``x-ratelimit-*`` headers) and
+the pipeline counts it (``Pipeline.refused``: ``rejected_total`` and ``requests_total``, or, for a limit
+the tenant went over, ``throttled_total``). A limit's 429 carries its own code (the limit's name) and
+``Retry-After`` (``refusal_of_throttle``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet_runtime.gateway.admission import RequestTooLarge
+from kvfleet_runtime.gateway.admission import RequestTooLarge, Throttled
 from kvfleet_runtime.gateway.rewrite import BadRequest, ModelNotAllowed
 
 
@@ -28,6 +29,8 @@ class RefusalKind:
     #: ``kvfleet_gateway_requests_total``'s ``outcome``: the client's fault, or the gateway's state.
     outcome: str = "client_error"
     headers: tuple[tuple[str, str], ...] = ()
+    #: A limit the tenant went over: counted in ``throttled_total`` under the refusal's own code.
+    throttle: bool = False
 
 
 #: No key, a key no tenant holds, or a key whose tenant left the table while its request was read.
@@ -62,6 +65,15 @@ NO_HEALTHY_REPLICA = RefusalKind(
     503, "service_unavailable", "no_healthy_replica", "no_healthy_replica", "unavailable"
 )
 
+#: A tenant's limit (requests or tokens per minute, concurrency, queue, body bytes): the code names it.
+RATE_LIMITED = RefusalKind(429, "rate_limit_error", "rate_limited", "rate_limited", throttle=True)
+#: The engine connection failed after the request may have reached it: not retried (never run twice).
+UPSTREAM_FAILED = RefusalKind(502, "upstream_error", "upstream_failed", "upstream_failed", "upstream_error")
+#: The engine sent nothing within the upstream timeout: not retried either.
+UPSTREAM_TIMEOUT = RefusalKind(
+    504, "upstream_error", "upstream_timeout", "upstream_timeout", "upstream_error"
+)
+
 #: Every kind, for the tests and the docs.
 KINDS = (
     UNAUTHENTICATED,
@@ -74,17 +86,38 @@ KINDS = (
     BAD_REQUEST,
     REQUEST_TOO_LARGE,
     NO_HEALTHY_REPLICA,
+    RATE_LIMITED,
+    UPSTREAM_FAILED,
+    UPSTREAM_TIMEOUT,
 )
 
 
 class Refusal(Exception):
-    """A request refused as ``kind``; ``message`` (and ``param``) are safe to show the client."""
+    """A request refused as ``kind``; ``message`` (and ``param``) are safe to show the client. ``code``
+    replaces the kind's (a limit's 429 names the limit); ``headers`` are added to the kind's."""
 
-    def __init__(self, kind: RefusalKind, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: RefusalKind,
+        message: str,
+        param: str | None = None,
+        *,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
+        self.code = code or kind.code
+        self.headers = {**dict(kind.headers), **(headers or {})}
+
+
+def refusal_of_throttle(exc: Throttled) -> Refusal:
+    """The 429 for a limit the tenant went over: its reason as the code, and when to retry."""
+    return Refusal(
+        RATE_LIMITED, exc.message, code=exc.reason, headers={"Retry-After": exc.retry_after_header}
+    )
 
 
 def refusal_of(exc: BadRequest | RequestTooLarge) -> Refusal:

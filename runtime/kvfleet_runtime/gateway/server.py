@@ -32,77 +32,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
-import multiprocessing
-import os
 import resource
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvfleet_runtime.config import SLA_ORDER, SLA_RANK
 from kvfleet_runtime.gateway import metrics as m
-from kvfleet_runtime.gateway.admission import (
-    BodyBudget,
-    BodyBudgetExceeded,
-    BodyReservation,
-    BudgetLimits,
-    EngineQueue,
-    EngineRequest,
-    GateLimits,
-    GateSlot,
-    RequestTooLarge,
-    TenantGate,
-    Throttled,
-)
+from kvfleet_runtime.gateway.admission import BodyReservation
 from kvfleet_runtime.gateway.connections import ConnectionGuards, GuardedSite
-from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
+from kvfleet_runtime.gateway.metrics import GatewayMetrics
+from kvfleet_runtime.gateway.pipeline import (
+    AdmittedRequest,
+    OpenRequest,
+    Pipeline,
+    UsageTracker,
+    event_json,
+    is_done_event,
+    sse_events,
+)
 from kvfleet_runtime.gateway.refusals import (
-    AMBIGUOUS_KEY,
     BODY_TIMEOUT,
-    BODY_TOO_LARGE,
-    GATEWAY_BUSY,
-    MALFORMED_KEY,
     NO_HEALTHY_REPLICA,
-    UNAUTHENTICATED,
+    UPSTREAM_FAILED,
+    UPSTREAM_TIMEOUT,
     Refusal,
-    refusal_of,
 )
 from kvfleet_runtime.gateway.rewrite import (
-    UPSTREAM_SESSION_HEADERS,
-    BadRequest,
     Endpoint,
-    PreparedRequest,
-    RequestPolicy,
     build_request_id,
     build_upstream_headers,
-    extract_usage,
-    prepare_request,
 )
-from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
+from kvfleet_runtime.gateway.routing import ReplicaState
 from kvfleet_runtime.gateway.settings import GatewaySettings, per_source_connections
-from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
-from kvfleet_runtime.kv.fairness import TokenCost
+from kvfleet_runtime.gateway.state import TenantRuntime
 
 log = logging.getLogger("kvfleet.gateway")
 #: Where ``_authenticate`` leaves the tenant's name on the request (read by ``on_response_prepare``).
 _TENANT_KEY: web.RequestKey[str] = web.RequestKey("kvfleet_tenant", str)
 
-#: Health checks in a row that must time out before a replica that was healthy is marked unhealthy.
-PROBE_TIMEOUTS_TO_FAIL = 3
 #: After a drain: how long requests still in flight at the drain timeout get to finish being cancelled.
 _CANCEL_GRACE_S = 1.0
-#: How much lower the parse workers' CPU priority is than the event loop's.
-PARSE_WORKER_NICENESS = 10
 
 
 def error_response(
@@ -122,11 +97,11 @@ def error_response(
 
 
 def refusal_response(refusal: Refusal, headers: dict[str, str] | None = None) -> web.Response:
-    """The answer to ``refusal``: its kind's status, error body and headers, plus ``headers``."""
+    """The answer to ``refusal``: its kind's status and error body, its headers, plus ``headers``."""
     kind = refusal.kind
-    merged = {**dict(kind.headers), **(headers or {})}
+    merged = {**(headers or {}), **refusal.headers}
     return error_response(
-        kind.status, refusal.message, kind.err_type, kind.code, param=refusal.param, headers=merged
+        kind.status, refusal.message, kind.err_type, refusal.code, param=refusal.param, headers=merged
     )
 
 
@@ -143,52 +118,14 @@ async def _nothing() -> None:
     return None
 
 
-def _check_body_complete(size: int, length: int | None) -> None:
-    """``BadRequest`` for a body read that is empty or shorter than its ``Content-Length``."""
-    if not size:
-        raise BadRequest("the request body is empty; send a JSON object")
-    if length is not None and size != length:
-        raise BadRequest(f"the request body ended after {size} of its {length} bytes")
-
-
-class _UsageTracker:
-    """Accumulates what the answer reports, to count tokens and reconcile the token estimate."""
-
-    __slots__ = ("cached", "completion", "prompt", "seen")
-
-    def __init__(self) -> None:
-        self.seen = False
-        self.prompt = 0
-        self.completion = 0
-        self.cached = 0
-
-    def take(self, payload: Any) -> None:
-        usage = extract_usage(payload)
-        if usage is not None:
-            self.seen = True
-            self.prompt, self.completion, self.cached = usage
-
-
 class Gateway:
-    """All gateway state; one per process (one per app in tests)."""
+    """The aiohttp front door: reads requests, runs them through the ``Pipeline``, forwards them with
+    its own client and relays the answers; one per process (one per app in tests)."""
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> None:
+        self.pipeline = Pipeline(settings, metrics)
         self.settings = settings
-        self.metrics = metrics or GatewayMetrics()
-        self.snapshot: GatewaySnapshot | None = None
-        self.gates: dict[str, TenantGate] = {}
-        self.policies: dict[str, RequestPolicy] = {}
-        self.routers: dict[str, PoolRouter] = {}
-        self.engine_queues: dict[str, EngineQueue] = {}
-        self.session: aiohttp.ClientSession | None = None
-        self.watcher = SnapshotReloader(
-            settings.config_path,
-            settings.keys_path,
-            on_change=self.apply_snapshot,
-            on_failure=lambda which: self.metrics.reload_failures.labels(which).inc(),
-            interval_s=settings.reload_interval_s,
-        )
-        self.body_budget = BodyBudget(settings.total_body_bytes, settings.tenant_body_bytes)
+        self.metrics = self.pipeline.metrics
         closed = self.metrics.connections_closed
         self.guards = ConnectionGuards(
             settings.max_connections,
@@ -201,213 +138,19 @@ class Gateway:
         self.metrics.open_connections.set_function(lambda: self.guards.open)
         #: Where ``/metrics`` is served (set by ``running_gateway``).
         self.metrics_url = ""
-        self._parse_pool: ProcessPoolExecutor | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._health_wakeup = asyncio.Event()
         #: Set on SIGTERM (``begin_drain``): not ready, and every answer closes its connection.
         self.draining = False
         #: Completions being handled, from arrival to the last byte of a stream (what a drain waits for).
         self.proxying = 0
-        #: Health checks in a row that timed out, by (pool, replica URL).
-        self._probe_timeouts: dict[tuple[str, str], int] = {}
         #: Closes the public listener (set by ``running_gateway``).
         self.stop_listening: Callable[[], Awaitable[None]] = _nothing
 
-    # -- configuration ------------------------------------------------------------------------------
-    def apply_snapshot(self, snapshot: GatewaySnapshot) -> None:
-        """Swap in a new configuration; in-flight requests keep the objects they already hold."""
-        routers = {
-            name: build_pool_router(name, pool.endpoints, self.routers.get(name))
-            for name, pool in snapshot.table.pools.items()
-        }
-        policies: dict[str, RequestPolicy] = {}
-        for name, tenant in snapshot.tenants.items():
-            limits = self._limits_for(tenant)
-            gate = self.gates.get(name)
-            if gate is None:
-                self.gates[name] = TenantGate(limits)
-            else:
-                gate.update_limits(limits)
-            policies[name] = self._policy_for(tenant, limits)
-        self.routers = routers
-        self._update_engine_queues(snapshot)
-        self.policies = policies
-        self.snapshot = snapshot
-        self.metrics.set_model_deployment(snapshot.table.model_deployment)
-        for name in set(self.gates) - set(snapshot.tenants):
-            # Its keys are already gone; a gate with requests still in flight goes when the last ends.
-            self._forget_gate_if_removed(name, self.gates[name])
-        self.metrics.reloads.inc()
-        self._health_wakeup.set()
-        log.info(
-            "configuration loaded: %d tenants, %d pools", len(snapshot.tenants), len(snapshot.table.pools)
-        )
-
-    def _update_engine_queues(self, snapshot: GatewaySnapshot) -> None:
-        """One ``EngineQueue`` per pool, its limit scaled to the pool's replicas; counters survive reloads."""
-        per_replica = self.settings.engine_in_flight_per_replica
-        cost = TokenCost(self.settings.fair_input_weight, self.settings.fair_output_weight)
-        queues: dict[str, EngineQueue] = {}
-        for name, pool in snapshot.table.pools.items():
-            limit = per_replica * max(1, len(pool.endpoints)) if per_replica > 0 else None
-            queue = self.engine_queues.get(name) or EngineQueue(limit, self.settings.fair_queuing, cost)
-            queue.set_limit(limit)
-            queues[name] = queue
-            for tier in SLA_ORDER:
-                depth = self.metrics.engine_queue_depth.labels(name, tier.value)
-                depth.set_function(functools.partial(queue.fair.waiting, SLA_RANK[tier]))
-        self.engine_queues = queues
-        for tenant in snapshot.tenants.values():
-            label = self.metrics.tenant_label(tenant.name)
-            if label != m.OTHER_TENANTS:
-                counter = self.metrics.fair_virtual_tokens.labels(label)
-                queue = queues[tenant.pool.name]
-                counter.set_function(functools.partial(queue.fair.counter, tenant.name))
-
-    def _limits_for(self, tenant: TenantRuntime) -> GateLimits:
-        rl = tenant.entry.rate_limits
-        return GateLimits(
-            requests_per_minute=rl.requests_per_minute,
-            tokens_per_minute=rl.tokens_per_minute,
-            max_concurrent=rl.max_concurrent,
-            kv_budget_tokens=tenant.kv_budget_tokens,
-            max_queue=self.settings.max_queue,
-            max_queue_wait_s=self.settings.max_queue_wait_s,
-            replicas=self.settings.replicas,
-        )
-
-    def _policy_for(self, tenant: TenantRuntime, limits: GateLimits) -> RequestPolicy:
-        return RequestPolicy(
-            tenant=tenant.name,
-            cache_salt=tenant.cache_salt,
-            priority=tenant.entry.priority,
-            models=tenant.models,
-            affinity_chars=self.settings.affinity_prefix_chars,
-            media_domains=self.settings.allowed_media_domains,
-            budget=BudgetLimits(
-                kv_burst_blocks=tenant.kv_burst_blocks,
-                block_size=tenant.pool.block_size,
-                tokens_per_minute=limits.tokens_share,
-                max_model_len=tenant.max_model_len,
-                default_max_tokens=self.settings.default_max_tokens,
-            ),
-        )
-
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self, _app: web.Application) -> None:
-        self.apply_snapshot(await asyncio.to_thread(self.watcher.load_initial))
-        connector = aiohttp.TCPConnector(
-            limit=self.settings.upstream_connections,
-            limit_per_host=0,
-            # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway closes idle connections first
-            # (a pooled connection the engine has closed would fail the request: it is never re-sent).
-            keepalive_timeout=4.0,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=self.settings.connect_timeout_s,
-                sock_read=self.settings.upstream_read_timeout_s,
-            ),
-            auto_decompress=False,
-            headers=UPSTREAM_SESSION_HEADERS,
-        )
-        await self.check_health_once()
-        self._tasks = [
-            asyncio.create_task(self.watcher.run(), name="kvfleet-config-watcher"),
-            asyncio.create_task(self._health_loop(), name="kvfleet-health"),
-        ]
+        await self.pipeline.start()
 
     async def stop(self, _app: web.Application) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self.session is not None:
-            await self.session.close()
-        if self._parse_pool is not None:
-            pool, self._parse_pool = self._parse_pool, None
-            await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)
-
-    def _pool(self) -> ProcessPoolExecutor:
-        if self._parse_pool is None:
-            # spawn: the gateway has threads (to_thread, the resolver), which fork would copy mid-lock.
-            # The workers run at a lower CPU priority (nice 10): when parsing competes with the event
-            # loop for a CPU, the loop, which serves every tenant, wins.
-            self._parse_pool = ProcessPoolExecutor(
-                self.settings.parse_workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=os.nice,
-                initargs=(PARSE_WORKER_NICENESS,),
-            )
-        return self._parse_pool
-
-    async def warm_parse_workers(self) -> None:
-        """Start the parse workers now rather than on the first large body."""
-        if self.settings.parse_workers > 0:
-            pool = self._pool()
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(
-                *(loop.run_in_executor(pool, os.getpid) for _ in range(self.settings.parse_workers))
-            )
-
-    # -- health -------------------------------------------------------------------------------------
-    async def _probe(self, pool: str, replica: ReplicaState) -> None:
-        """One health check. A refused connection or an answer other than 200 marks the replica unhealthy
-        at once; a check that times out only on the ``PROBE_TIMEOUTS_TO_FAIL``-th in a row (Kubernetes'
-        failureThreshold): under CPU saturation a healthy engine, or this gateway's own event loop, can
-        be slower than the timeout, and a pool whose only replica is dropped answers every tenant 503."""
-        assert self.session is not None
-        key = (pool, replica.url)
-        try:
-            async with self.session.get(
-                replica.url + "/health",
-                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
-            ) as resp:
-                await resp.read()
-                healthy = resp.status == 200
-                replica.last_error = "" if healthy else f"health check answered {resp.status}"
-            self._probe_timeouts.pop(key, None)
-        except TimeoutError:
-            timeouts = self._probe_timeouts[key] = self._probe_timeouts.get(key, 0) + 1
-            healthy = replica.healthy and timeouts < PROBE_TIMEOUTS_TO_FAIL
-            replica.last_error = f"health check timed out ({timeouts} in a row)"
-        except (aiohttp.ClientError, OSError) as exc:
-            self._probe_timeouts.pop(key, None)
-            healthy = False
-            replica.last_error = f"health check failed: {type(exc).__name__}"
-        if healthy != replica.healthy or not replica.checked:
-            log.info("replica %s of pool %s is %s", replica.url, pool, "healthy" if healthy else "unhealthy")
-        replica.healthy = healthy
-        replica.checked = True
-        self.metrics.replica_healthy.labels(pool, replica.url).set(1 if healthy else 0)
-
-    async def check_health_once(self) -> None:
-        probes = [
-            self._probe(name, r) for name, router in self.routers.items() for r in router.replicas.values()
-        ]
-        if probes:
-            await asyncio.gather(*probes)
-
-    async def _health_loop(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.health_interval_s):
-                    await self._health_wakeup.wait()
-            self._health_wakeup.clear()
-            await self.check_health_once()
-
-    def _suspect(self, pool: str, replica: ReplicaState, why: str) -> None:
-        """Passive health: a replica that broke or timed out an answer takes no new requests until a
-        health check passes again; one is run at once, so a replica that is fine is back within a probe."""
-        if replica.healthy:
-            log.warning("replica %s of pool %s marked unhealthy: %s", replica.url, pool, why)
-        replica.healthy = False
-        replica.last_error = why
-        self.metrics.replica_healthy.labels(pool, replica.url).set(0)
-        self._health_wakeup.set()
+        await self.pipeline.stop()
 
     def begin_drain(self) -> None:
         """SIGTERM: report not ready and close every connection after its current answer."""
@@ -440,12 +183,7 @@ class Gateway:
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining: the gateway is shutting down"
-        if self.snapshot is None:
-            return False, "no valid tenant table loaded"
-        for router in self.routers.values():
-            if router.healthy:
-                return True, "ready"
-        return False, "no healthy engine replica in any pool"
+        return self.pipeline.readiness()
 
     # -- handlers -----------------------------------------------------------------------------------
     async def handle_healthz(self, _request: web.Request) -> web.Response:
@@ -467,25 +205,21 @@ class Gateway:
         payload = generate_latest(self.metrics.registry)
         return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _authenticate(self, request: web.Request) -> TenantRuntime | web.Response:
-        snapshot = self.snapshot
-        if snapshot is None:
-            found: TenantRuntime | AuthFailure = AuthFailure.UNKNOWN
-        else:
-            found = snapshot.authenticate(request.headers.get("Authorization"))
-        if isinstance(found, TenantRuntime):
-            request[_TENANT_KEY] = found.name  # for the responses-by-status count (``on_response_prepare``)
-            return found
-        refusal = _AUTH_REFUSALS[found]
-        self.metrics.count_rejected(m.UNAUTHENTICATED, refusal.kind.reason)
-        self.metrics.count_request(m.UNAUTHENTICATED, m.UNKNOWN_MODEL, m.NO_TIER, refusal.kind.outcome)
-        return _closing(refusal_response(refusal))
+    def _authenticate(self, request: web.Request) -> TenantRuntime:
+        """Stage 1; a refusal closes the connection (a client that has shown no key holds none)."""
+        try:
+            tenant = self.pipeline.authenticate(request.headers.get("Authorization"))
+        except Refusal as refusal:
+            raise _Answered(_closing(refusal_response(refusal))) from None
+        request[_TENANT_KEY] = tenant.name  # for the responses-by-status count (``on_response_prepare``)
+        return tenant
 
     async def expect_continue(self, request: web.Request) -> web.Response | None:
         """``Expect: 100-continue``: authenticate before telling the client to send its body."""
-        refused = self._authenticate(request)
-        if isinstance(refused, web.Response):
-            return refused
+        try:
+            self._authenticate(request)
+        except _Answered as answered:
+            return answered.response
         if request.headers.get("Expect", "").lower() != "100-continue" or request.version < (1, 1):
             return error_response(
                 417, "only 'Expect: 100-continue' is supported", "invalid_request_error", "expectation_failed"
@@ -495,16 +229,17 @@ class Gateway:
         return None
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        tenant = self._authenticate(request)
-        if isinstance(tenant, web.Response):
-            return tenant
+        try:
+            tenant = self._authenticate(request)
+        except _Answered as answered:
+            return answered.response
         data = [
             {"id": model, "object": "model", "created": 0, "owned_by": "kvfleet"}
             for model in sorted(tenant.models)
         ]
-        gate = self.gates.get(tenant.name)  # x-ratelimit-* on every answer, as OpenAI sends them
-        headers = gate.rate_limit_headers() if gate is not None else None
-        return web.json_response({"object": "list", "data": data}, headers=headers)
+        return web.json_response(
+            {"object": "list", "data": data}, headers=self.pipeline.limit_headers(tenant)
+        )
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:
         self.proxying += 1
@@ -520,185 +255,78 @@ class Gateway:
         finally:
             self.proxying -= 1
 
-    def _refuse(
-        self, tenant: TenantRuntime, gate: TenantGate | None, model: str, refusal: Refusal
-    ) -> web.Response:
-        """Every refusal answered and counted the same way (``refusals``: one table of kinds)."""
-        self.metrics.count_rejected(tenant.name, refusal.kind.reason)
-        self.metrics.count_request(tenant.name, model, tenant.tier, refusal.kind.outcome)
-        return refusal_response(refusal, gate.rate_limit_headers() if gate is not None else None)
-
-    def _throttled(self, tenant: TenantRuntime, gate: TenantGate, exc: Throttled, model: str) -> web.Response:
-        self.metrics.count_throttled(tenant.name, model, tenant.tier, exc.reason)
-        return error_response(
-            429,
-            exc.message,
-            "rate_limit_error",
-            exc.reason,
-            headers={"Retry-After": exc.retry_after_header, **gate.rate_limit_headers()},
-        )
-
-    def _body_too_large(self) -> Refusal:
-        return Refusal(BODY_TOO_LARGE, f"request body larger than {self.settings.max_body_bytes} bytes")
-
-    async def _read_body(self, request: web.Request, reservation: BodyReservation) -> bytes | bytearray:
+    async def _read_body(self, request: web.Request, opened: OpenRequest) -> bytes | bytearray:
         """The whole body, reserved in the body budget before (or, without a length, as) it arrives."""
+        pipeline = self.pipeline
         limit = self.settings.max_body_bytes
         length = request.content_length
         if length is not None:
             if length > limit:
-                raise self._body_too_large()
-            reservation.grow(length)
+                raise pipeline.body_too_large()
+            pipeline.hold_body(opened, length)
             content = request.content
             if content.is_eof():
                 # All of it has already arrived (a small body comes with its headers): nothing can be
                 # waited for, so no timer is armed, and a body in one chunk is used as it is, not copied.
                 whole = content.read_nowait()
-                _check_body_complete(len(whole), length)
+                pipeline.check_body_complete(len(whole), length)
                 return whole
         # One buffer of the announced size, filled as chunks arrive: a body is held once, not twice.
         body = bytearray(length or 0)
         size = 0
-        async with asyncio.timeout(self.settings.body_timeout_s):
-            while chunk := await request.content.readany():
-                end = size + len(chunk)
-                if end > limit:
-                    raise self._body_too_large()
-                if length is None:
-                    reservation.grow(len(chunk))
-                    body += chunk
-                else:
-                    body[size:end] = chunk  # aiohttp never delivers more than Content-Length
-                size = end
-        _check_body_complete(size, length)
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                while chunk := await request.content.readany():
+                    end = size + len(chunk)
+                    if end > limit:
+                        raise pipeline.body_too_large()
+                    if length is None:
+                        pipeline.hold_body(opened, len(chunk))
+                        body += chunk
+                    else:
+                        body[size:end] = chunk  # aiohttp never delivers more than Content-Length
+                    size = end
+        except TimeoutError:
+            message = f"request body not received within {self.settings.body_timeout_s:g} s"
+            raise Refusal(BODY_TIMEOUT, message) from None
+        pipeline.check_body_complete(size, length)
         return body
 
-    async def _prepare(
-        self, raw: bytes | bytearray, endpoint: Endpoint, policy: RequestPolicy
-    ) -> PreparedRequest:
-        """``prepare_request`` inline for small bodies, in a worker process for large ones."""
-        if len(raw) <= self.settings.inline_parse_bytes or self.settings.parse_workers <= 0:
-            return prepare_request(raw, endpoint, policy)
-        pool = self._pool()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                pool, prepare_request, raw, endpoint, policy
-            )
-        except BrokenProcessPool:
-            log.error("a body-parsing worker died; starting new ones")
-            if self._parse_pool is pool:
-                self._parse_pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
-            raise Refusal(GATEWAY_BUSY, "the gateway could not parse the request; retry") from None
-
     async def _proxy(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        pipeline = self.pipeline
         arrived = time.perf_counter()
-        tenant = self._authenticate(request)
-        if isinstance(tenant, web.Response):
-            return tenant
-        model_label = m.UNKNOWN_MODEL
-        gate = self.gates.get(tenant.name)
-        policy = self.policies.get(tenant.name)
-        if gate is None or policy is None:  # removed by a reload between auth and here
-            gone = Refusal(UNAUTHENTICATED, "this API key is no longer valid")
-            return self._refuse(tenant, None, model_label, gone)
-        reservation = self.body_budget.reserve(tenant.name, 0)
+        try:
+            tenant = self._authenticate(request)
+        except _Answered as answered:
+            return answered.response
+        try:
+            opened = pipeline.open(tenant, arrived)  # counts its own refusals
+        except Refusal as refusal:
+            return refusal_response(refusal, pipeline.limit_headers(tenant))
         try:
             try:
-                gate.check_request_rate()  # before the body: a tenant over its rate costs no read or parse
-                raw = await self._read_body(request, reservation)
-                prepared = await self._prepare(raw, endpoint, policy)
-            except Throttled as exc:
-                return self._throttled(tenant, gate, exc, model_label)
-            except BodyBudgetExceeded as exc:
-                if exc.scope == "tenant":
-                    return self._throttled(
-                        tenant, gate, Throttled("body_bytes", 1.0, exc.message), model_label
-                    )
-                refusal = Refusal(GATEWAY_BUSY, exc.message + "; retry shortly")
-            except Refusal as exc:
-                refusal = exc
-            except TimeoutError:
-                refusal = Refusal(
-                    BODY_TIMEOUT, f"request body not received within {self.settings.body_timeout_s:g} s"
-                )
-            except (BadRequest, RequestTooLarge) as exc:
-                refusal = refusal_of(exc)
-            else:
-                del raw
-                return await self._admit_and_forward(
-                    request, endpoint, tenant, gate, prepared, reservation, arrived
-                )
-            return self._refuse(tenant, gate, model_label, refusal)
+                raw = await self._read_body(request, opened)
+                prepared = await pipeline.parse(opened, raw, endpoint)
+            except Refusal as refusal:
+                pipeline.refused(refusal, tenant, m.UNKNOWN_MODEL)
+                return refusal_response(refusal, opened.gate.rate_limit_headers())
+            del raw
+            try:
+                admitted = await pipeline.admit(opened, prepared)  # counts its own refusals
+            except Refusal as refusal:
+                return refusal_response(refusal, opened.gate.rate_limit_headers())
+            outcome = "cancelled"
+            try:
+                response, outcome = await self._forward(request, endpoint, admitted, opened.reservation)
+                return response
+            finally:
+                pipeline.finish(admitted, outcome)
         finally:
-            reservation.release()
-
-    async def _admit_and_forward(
-        self,
-        request: web.Request,
-        endpoint: Endpoint,
-        tenant: TenantRuntime,
-        gate: TenantGate,
-        prepared: PreparedRequest,
-        reservation: BodyReservation,
-        arrived: float,
-    ) -> web.StreamResponse:
-        model_label = prepared.model
-        budget = prepared.budget
-        series = self.metrics.series(tenant.name, model_label, tenant.tier)
-        try:
-            engine = EngineRequest(
-                self.engine_queues[tenant.pool.name],
-                tenant.name,
-                tenant.rank,
-                tenant.entry.fair_share_weight,
-                budget.prompt_tokens,
-            )
-            admission = await gate.acquire(budget.token_estimate, budget.kv_tokens, engine)
-        except Throttled as exc:
-            self._forget_gate_if_removed(tenant.name, gate)
-            return self._throttled(tenant, gate, exc, model_label)
-        series.queue_time.observe(admission.queued_s)
-        in_flight = series.in_flight
-        kv_gauge = series.kv_in_flight
-        in_flight.inc()
-        kv_gauge.set(gate.kv_in_flight)
-        outcome = "cancelled"
-        try:
-            response, outcome = await self._forward(
-                request,
-                endpoint=endpoint,
-                tenant=tenant,
-                prepared=prepared,
-                admission=admission,
-                series=series,
-                arrived=arrived,
-                limit_headers=gate.rate_limit_headers(),
-                reservation=reservation,
-            )
-            return response
-        finally:
-            admission.release()
-            in_flight.dec()
-            kv_gauge.set(gate.kv_in_flight)
-            series.outcomes[outcome].inc()
-            series.duration.observe(time.perf_counter() - arrived)
-            self._forget_gate_if_removed(tenant.name, gate)
-
-    def _forget_gate_if_removed(self, name: str, gate: TenantGate) -> None:
-        """Drop the gate of a tenant a reload removed once its last in-flight request has finished."""
-        snapshot = self.snapshot
-        removed = snapshot is not None and name not in snapshot.tenants
-        if removed and gate.in_flight == 0 and gate.queued == 0 and self.gates.get(name) is gate:
-            del self.gates[name]
+            opened.reservation.release()
 
     async def _connect(
-        self,
-        endpoint: Endpoint,
-        tenant: TenantRuntime,
-        prepared: PreparedRequest,
-        headers: dict[str, str],
-    ) -> tuple[aiohttp.ClientResponse, ReplicaState] | web.Response:
+        self, endpoint: Endpoint, admitted: AdmittedRequest, headers: dict[str, str]
+    ) -> tuple[aiohttp.ClientResponse, ReplicaState]:
         """Send to the affinity replica, failing over only while nothing has been sent.
 
         A connection that could not be established (refused, unreachable, or not accepted within the
@@ -706,69 +334,54 @@ class Gateway:
         tried. Any failure after that (the connection dropped or reset while the request was written or
         the answer awaited: 502; no answer within the upstream timeout: 504) may come after the engine
         read the request, so the request is not sent again (an engine must never run one request
-        twice), and the replica is suspected until a health check passes (``_suspect``).
+        twice), and the replica is suspected until a health check passes (``Pipeline.suspect``).
+        Raises ``Refusal`` (503, 502, 504).
         """
-        assert self.session is not None
-        router = self.routers.get(tenant.pool.name)
-        key = (tenant.cache_salt + "\x00" + prepared.affinity_text).encode()
+        pipeline = self.pipeline
+        session = pipeline.session
+        assert session is not None
+        pool = admitted.tenant.pool.name
         tried: set[str] = set()
         slow = 0  # of the tried, how many did not accept within the connect timeout (the rest refused)
         while True:
-            replica = router.choose(key, tried, self.settings.load_factor) if router else None
-            if replica is None:
-                pool = tenant.pool.name
-                reason = (
-                    f"no healthy engine replica in pool {pool!r}"
-                    if not tried
-                    else f"no replica of pool {pool!r} could be connected to ({len(tried) - slow} refused or "
-                    f"unreachable, {slow} did not accept within {self.settings.connect_timeout_s:g} s)"
-                )
-                return refusal_response(Refusal(NO_HEALTHY_REPLICA, reason))
+            replica = pipeline.pick(admitted, tried, slow)
             tried.add(replica.url)
             replica.in_flight += 1
             try:
-                resp = await self.session.post(
-                    replica.url + endpoint.value, data=prepared.payload, headers=headers
+                resp = await session.post(
+                    replica.url + endpoint.value, data=admitted.prepared.payload, headers=headers
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 replica.in_flight -= 1
-                self.metrics.upstream_errors.labels(tenant.pool.name, "connect").inc()
+                self.metrics.upstream_errors.labels(pool, "connect").inc()
                 slow += isinstance(exc, aiohttp.ConnectionTimeoutError)
                 if not isinstance(exc, aiohttp.ConnectionTimeoutError):
                     # Refused or unreachable: down. A connect that was slow (an accept queue full under
                     # load) proves nothing: fail over, and leave the verdict to the health checks.
-                    replica.healthy = False
-                    replica.last_error = f"connect failed: {type(exc).__name__}"
-                    self.metrics.replica_healthy.labels(tenant.pool.name, replica.url).set(0)
+                    pipeline.mark_down(pool, replica, f"connect failed: {type(exc).__name__}")
                 log.warning(
                     "replica %s of pool %s refused or did not accept a connection (%s); failing over",
                     replica.url,
-                    tenant.pool.name,
+                    pool,
                     type(exc).__name__,
                 )
                 continue
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 replica.in_flight -= 1
                 timed_out = isinstance(exc, TimeoutError)
-                self.metrics.upstream_errors.labels(
-                    tenant.pool.name, "timeout" if timed_out else "disconnect"
-                ).inc()
-                self._suspect(tenant.pool.name, replica, f"failed before answering: {type(exc).__name__}")
+                self.metrics.upstream_errors.labels(pool, "timeout" if timed_out else "disconnect").inc()
+                pipeline.suspect(pool, replica, f"failed before answering: {type(exc).__name__}")
                 if timed_out:
-                    return error_response(
-                        504,
+                    raise Refusal(
+                        UPSTREAM_TIMEOUT,
                         f"the engine sent no answer within {self.settings.upstream_read_timeout_s:g} s; the "
                         "request was not retried because the engine may have received it",
-                        "upstream_error",
-                        "upstream_timeout",
-                    )
-                return error_response(
-                    502,
+                    ) from None
+                raise Refusal(
+                    UPSTREAM_FAILED,
                     "the engine connection failed before it answered; the request was not retried "
                     "because the engine may have received it",
-                    "upstream_error",
-                    "upstream_failed",
-                )
+                ) from None
             except BaseException:
                 replica.in_flight -= 1
                 raise
@@ -777,47 +390,36 @@ class Gateway:
     async def _forward(
         self,
         request: web.Request,
-        *,
         endpoint: Endpoint,
-        tenant: TenantRuntime,
-        prepared: PreparedRequest,
-        admission: GateSlot,
-        series: RequestSeries,
-        arrived: float,
-        limit_headers: dict[str, str],
+        admitted: AdmittedRequest,
         reservation: BodyReservation,
     ) -> tuple[web.StreamResponse, str]:
+        tenant = admitted.tenant
+        pool = tenant.pool.name
+        limit_headers = admitted.gate.rate_limit_headers()
         request_id = build_request_id(tenant.name)
         headers = build_upstream_headers(tenant.name, request_id, request.headers)
-        connected = await self._connect(endpoint, tenant, prepared, headers)
-        reservation.release()  # the body has been handed to the engine (or never will be)
-        if isinstance(connected, web.Response):
-            connected.headers.update(limit_headers)
-            if connected.status == 503:
-                admission.settle_usage(0, 0)  # sent to no engine: nothing was generated
-                self.metrics.count_rejected(tenant.name, NO_HEALTHY_REPLICA.reason)
-                return connected, "unavailable"
-            return connected, "upstream_error"  # the engine may have run it: the estimate stays charged
-        upstream, replica = connected
-        usage = _UsageTracker()
+        try:
+            upstream, replica = await self._connect(endpoint, admitted, headers)
+        except Refusal as refusal:
+            if refusal.kind is NO_HEALTHY_REPLICA:  # sent to no engine: nothing was generated
+                self.pipeline.unavailable(admitted, refusal)
+                outcome = "unavailable"
+            else:  # the engine may have run it: the estimate stays charged
+                outcome = "upstream_error"
+            self.pipeline.account(admitted, UsageTracker(), outcome)
+            return refusal_response(refusal, limit_headers), outcome
+        finally:
+            reservation.release()  # the body has been handed to the engine (or never will be)
+        usage = UsageTracker()
         started: list[web.StreamResponse] = []
         try:
-            if prepared.stream and upstream.status == 200:
+            if admitted.prepared.stream and upstream.status == 200:
                 response, outcome = await self._relay_stream(
-                    request,
-                    upstream=upstream,
-                    prepared=prepared,
-                    usage=usage,
-                    series=series,
-                    arrived=arrived,
-                    started=started,
-                    limit_headers=limit_headers,
-                    pool=tenant.pool.name,
+                    request, upstream, admitted, usage, started, limit_headers
                 )
             else:
-                response, outcome = await self._relay_buffered(
-                    upstream, usage, tenant.pool.name, limit_headers
-                )
+                response, outcome = await self._relay_buffered(upstream, usage, pool, limit_headers)
         except asyncio.CancelledError:
             upstream.close()  # drop the connection so the engine aborts the request
             raise
@@ -829,41 +431,26 @@ class Gateway:
         ) as exc:
             upstream.close()
             timed_out = isinstance(exc, TimeoutError)
-            self.metrics.upstream_errors.labels(
-                tenant.pool.name, "timeout" if timed_out else "disconnect"
-            ).inc()
-            self._suspect(tenant.pool.name, replica, f"failed mid-answer: {type(exc).__name__}")
+            self.metrics.upstream_errors.labels(pool, "timeout" if timed_out else "disconnect").inc()
+            self.pipeline.suspect(pool, replica, f"failed mid-answer: {type(exc).__name__}")
+            kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM_FAILED
             message = (
                 f"the engine sent nothing for {self.settings.upstream_read_timeout_s:g} s during the answer"
                 if timed_out
                 else "the engine connection failed during the answer"
             )
             if started:  # headers already went out: end the stream with an error event where it broke
-                code = "upstream_timeout" if timed_out else "upstream_failed"
-                await _end_stream_with_error(started[0], message, code)
+                await _end_stream_with_error(started[0], message, kind.code)
                 return started[0], "upstream_error"
-            failed = error_response(
-                504 if timed_out else 502,
-                message,
-                "upstream_error",
-                "upstream_timeout" if timed_out else "upstream_failed",
-            )
-            failed.headers.update(limit_headers)
-            return failed, "upstream_error"
+            return refusal_response(Refusal(kind, message), limit_headers), "upstream_error"
         finally:
             replica.in_flight -= 1
             upstream.release()
-        if usage.seen:
-            admission.settle_usage(usage.prompt, usage.completion)
-            series.prompt_tokens.inc(usage.prompt)
-            series.completion_tokens.inc(usage.completion)
-            series.cached_prompt_tokens.inc(usage.cached)
-        elif outcome == "client_error":
-            admission.settle_usage(0, 0)  # the engine refused the request (a 4xx): it generated nothing
+        self.pipeline.account(admitted, usage, outcome)
         return response, outcome
 
     async def _relay_buffered(
-        self, upstream: aiohttp.ClientResponse, usage: _UsageTracker, pool: str, limit_headers: dict[str, str]
+        self, upstream: aiohttp.ClientResponse, usage: UsageTracker, pool: str, limit_headers: dict[str, str]
     ) -> tuple[web.Response, str]:
         raw = await upstream.read()
         status = upstream.status
@@ -884,15 +471,11 @@ class Gateway:
     async def _relay_stream(
         self,
         request: web.Request,
-        *,
         upstream: aiohttp.ClientResponse,
-        prepared: PreparedRequest,
-        usage: _UsageTracker,
-        series: RequestSeries,
-        arrived: float,
+        admitted: AdmittedRequest,
+        usage: UsageTracker,
         started: list[web.StreamResponse],
         limit_headers: dict[str, str],
-        pool: str,
     ) -> tuple[web.StreamResponse, str]:
         out = web.StreamResponse(
             status=200,
@@ -910,7 +493,7 @@ class Gateway:
         started.append(out)
         forget_close = _fail_stream_when_closed(upstream)
         try:
-            return await self._relay_events(out, upstream, prepared, usage, series, arrived, pool)
+            return await self._relay_events(out, upstream, admitted, usage)
         finally:
             forget_close()
 
@@ -918,37 +501,32 @@ class Gateway:
         self,
         out: web.StreamResponse,
         upstream: aiohttp.ClientResponse,
-        prepared: PreparedRequest,
-        usage: _UsageTracker,
-        series: RequestSeries,
-        arrived: float,
-        pool: str,
+        admitted: AdmittedRequest,
+        usage: UsageTracker,
     ) -> tuple[web.StreamResponse, str]:
+        series = admitted.series
         ttft = series.ttft
         itl = series.itl
+        client_wants_usage = admitted.prepared.client_wants_usage
         last: float | None = None
         done = False
         try:
-            async for events in _sse_events(upstream.content.iter_any()):
+            async for events in sse_events(upstream.content.iter_any()):
                 keep: list[bytes] = []
                 for event in events:
                     if b'"prompt_tokens"' in event:
-                        chunk = _event_json(event)
+                        chunk = event_json(event)
                         usage.take(chunk)
-                        if (
-                            not prepared.client_wants_usage
-                            and isinstance(chunk, dict)
-                            and not chunk.get("choices")
-                        ):
+                        if not client_wants_usage and isinstance(chunk, dict) and not chunk.get("choices"):
                             continue  # the usage-only chunk the gateway asked for, not the client
-                    elif event.startswith(b"data: [DONE]") or event.startswith(b"data:[DONE]"):
+                    elif is_done_event(event):
                         done = True
                     keep.append(event)
                 if not keep:
                     continue
                 now = time.perf_counter()
                 if last is None:
-                    ttft.observe(now - arrived)
+                    ttft.observe(now - admitted.arrived)
                 else:
                     itl.observe(now - last)
                 last = now
@@ -957,11 +535,19 @@ class Gateway:
             upstream.close()
             return out, "cancelled"
         if not done:  # the engine ended the stream without its last event: say so, never end silently
-            self.metrics.upstream_errors.labels(pool, "disconnect").inc()
+            self.metrics.upstream_errors.labels(admitted.tenant.pool.name, "disconnect").inc()
             await _end_stream_with_error(out, "the engine ended the stream before the answer was complete")
             return out, "upstream_error"
         await out.write_eof()
         return out, "ok"
+
+
+class _Answered(Exception):
+    """A request answered before it reached the pipeline's later stages (its ``response``)."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
 
 
 def _fail_stream_when_closed(upstream: aiohttp.ClientResponse) -> Callable[[], None]:
@@ -1013,33 +599,6 @@ async def _end_stream_with_error(
         await out.write_eof()
 
 
-async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """Group a byte stream into complete SSE events (each ending with a blank line). An event the stream
-    ends in the middle of is dropped, as the SSE standard says: forwarded, it reached the client as a
-    complete event holding half a JSON object."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        if b"\n\n" not in buffer and b"\r\n\r\n" not in buffer:
-            continue
-        normalized = buffer.replace(b"\r\n", b"\n")
-        parts = normalized.split(b"\n\n")
-        buffer = parts.pop()
-        yield [p + b"\n\n" for p in parts if p.strip()]
-
-
-def _event_json(event: bytes) -> Any:
-    for line in event.splitlines():
-        if line.startswith(b"data:"):
-            data = line[5:].strip()
-            if data and data != b"[DONE]":
-                try:
-                    return json.loads(data)
-                except ValueError:
-                    return None
-    return None
-
-
 def _closing(response: web.Response) -> web.Response:
     """``response``, and its connection closed after it: an answer to a client that has not shown a key
     (refused, or a path that does not exist) must not leave it a connection to hold (keep-alive held one
@@ -1048,20 +607,6 @@ def _closing(response: web.Response) -> web.Response:
     response.force_close()
     response.headers["Connection"] = "close"
     return response
-
-
-_WRONG_KEY = "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
-#: Per way authentication fails, the refusal (``refusals``).
-_AUTH_REFUSALS: dict[AuthFailure, Refusal] = {
-    AuthFailure.MISSING: Refusal(UNAUTHENTICATED, _WRONG_KEY),
-    AuthFailure.UNKNOWN: Refusal(UNAUTHENTICATED, _WRONG_KEY),
-    AuthFailure.MALFORMED: Refusal(MALFORMED_KEY, "the Authorization header is not valid UTF-8"),
-    AuthFailure.AMBIGUOUS: Refusal(
-        AMBIGUOUS_KEY,
-        "this API key is not assigned to exactly one tenant, so it is refused; ask your administrator "
-        "for a new key",
-    ),
-}
 
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvfleet_gateway", Gateway)
@@ -1206,7 +751,7 @@ async def serve(
         shutdown_timeout_s=_CANCEL_GRACE_S,  # the drain below is the wait; then only the cancelling
     ) as (url, gateway):
         log.info("kvfleet gateway listening on %s, metrics on %s", url, gateway.metrics_url)
-        await gateway.warm_parse_workers()
+        await gateway.pipeline.warm_parse_workers()
         await stop.wait()
         gateway.begin_drain()
         await gateway.stop_listening()
