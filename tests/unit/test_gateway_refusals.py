@@ -28,6 +28,7 @@ def test_each_kind_is_answered_and_counted_as_the_dashboards_expect() -> None:
         (429, "rate_limited"): ("rate_limit_error", "rate_limited", "client_error"),
         (502, "upstream_failed"): ("upstream_error", "upstream_failed", "upstream_error"),
         (504, "upstream_timeout"): ("upstream_error", "upstream_timeout", "upstream_error"),
+        (500, "gateway_misconfigured"): ("server_error", "gateway_misconfigured", "unavailable"),
     }
     # Only a limit the tenant went over is counted as a throttle (throttled_total, its own code).
     assert [k for k in r.KINDS if k.throttle] == [r.RATE_LIMITED]

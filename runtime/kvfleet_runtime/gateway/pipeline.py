@@ -68,6 +68,7 @@ from kvfleet_runtime.gateway.refusals import (
     NO_HEALTHY_REPLICA,
     UNAUTHENTICATED,
     Refusal,
+    RefusalKind,
     refusal_of,
     refusal_of_throttle,
 )
@@ -94,11 +95,11 @@ PARSE_WORKER_NICENESS = 10
 
 _WRONG_KEY = "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
 #: Per way authentication fails, the refusal.
-_AUTH_REFUSALS: dict[AuthFailure, Refusal] = {
-    AuthFailure.MISSING: Refusal(UNAUTHENTICATED, _WRONG_KEY),
-    AuthFailure.UNKNOWN: Refusal(UNAUTHENTICATED, _WRONG_KEY),
-    AuthFailure.MALFORMED: Refusal(MALFORMED_KEY, "the Authorization header is not valid UTF-8"),
-    AuthFailure.AMBIGUOUS: Refusal(
+_AUTH_REFUSALS: dict[AuthFailure, tuple[RefusalKind, str]] = {
+    AuthFailure.MISSING: (UNAUTHENTICATED, _WRONG_KEY),
+    AuthFailure.UNKNOWN: (UNAUTHENTICATED, _WRONG_KEY),
+    AuthFailure.MALFORMED: (MALFORMED_KEY, "the Authorization header is not valid UTF-8"),
+    AuthFailure.AMBIGUOUS: (
         AMBIGUOUS_KEY,
         "this API key is not assigned to exactly one tenant, so it is refused; ask your administrator "
         "for a new key",
@@ -400,7 +401,7 @@ class Pipeline:
         found = AuthFailure.UNKNOWN if snapshot is None else snapshot.authenticate(authorization)
         if isinstance(found, TenantRuntime):
             return found
-        refusal = _AUTH_REFUSALS[found]
+        refusal = Refusal(*_AUTH_REFUSALS[found])
         self.refused(refusal, None, m.UNKNOWN_MODEL)
         raise refusal
 
@@ -540,6 +541,7 @@ class Pipeline:
         """Count a refusal before admission: a limit's under ``throttled_total``, the rest under
         ``rejected_total`` and ``requests_total`` (``tenant`` None: no key matched)."""
         kind = refusal.kind
+        refusal.counted = True
         if tenant is None:
             self.metrics.count_rejected(m.UNAUTHENTICATED, kind.reason)
             self.metrics.count_request(m.UNAUTHENTICATED, model, m.NO_TIER, kind.outcome)

@@ -74,6 +74,11 @@ UPSTREAM_TIMEOUT = RefusalKind(
     504, "upstream_error", "upstream_timeout", "upstream_timeout", "upstream_error"
 )
 
+#: The platform's gateway calls the Endpoint Picker in a way it cannot serve (a body mode it does not speak).
+MISCONFIGURED = RefusalKind(
+    500, "server_error", "gateway_misconfigured", "gateway_misconfigured", "unavailable"
+)
+
 #: Every kind, for the tests and the docs.
 KINDS = (
     UNAUTHENTICATED,
@@ -89,6 +94,7 @@ KINDS = (
     RATE_LIMITED,
     UPSTREAM_FAILED,
     UPSTREAM_TIMEOUT,
+    MISCONFIGURED,
 )
 
 
@@ -111,6 +117,8 @@ class Refusal(Exception):
         self.param = param
         self.code = code or kind.code
         self.headers = {**dict(kind.headers), **(headers or {})}
+        #: Set once the pipeline has counted it (``Pipeline.refused``), so no front door counts it twice.
+        self.counted = False
 
 
 def refusal_of_throttle(exc: Throttled) -> Refusal:
