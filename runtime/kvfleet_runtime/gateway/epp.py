@@ -70,12 +70,15 @@ from kvfleet_runtime.gateway.refusals import (
     BODY_TIMEOUT,
     MISCONFIGURED,
     NO_HEALTHY_REPLICA,
+    UPSTREAM_FAILED,
+    UPSTREAM_TIMEOUT,
     Refusal,
 )
 from kvfleet_runtime.gateway.rewrite import (
     FORWARDED_HEADERS,
     REQUEST_ID_HEADER,
     TENANT_HEADER,
+    UPSTREAM_SESSION_HEADERS,
     Endpoint,
     build_request_id,
 )
@@ -135,12 +138,21 @@ def immediate(refusal: Refusal, extra: dict[str, str] | None = None) -> ext_proc
     headers.pop("Connection", None)  # a connection-level header: the gateway decides about its connections
     return ext_proc.ProcessingResponse(
         immediate_response=ext_proc.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=kind.status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=kind.status),
             headers=ext_proc.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()]),
             body=json.dumps(body).encode(),
             details=f"kvfleet_{refusal.code}",
         )
     )
+
+
+def _attribute(request: ext_proc.ProcessingRequest, name: str) -> str:
+    """One of the attributes the gateway sends with a message (``response_attributes``), as text."""
+    attributes = request.attributes.get("envoy.filters.http.ext_proc")
+    if attributes is None or name not in attributes.fields:
+        return ""
+    value = attributes.fields[name]
+    return value.string_value if value.HasField("string_value") else ""
 
 
 def _subset_hint(metadata: base_pb2.Metadata) -> set[str] | None:
@@ -194,18 +206,21 @@ class _Exchange:
     subset: set[str] | None = None
     admitted: AdmittedRequest | None = None
     replica: ReplicaState | None = None
+    #: What the request is counted as if its stream ends now (set once its answer is complete).
     outcome: str = "cancelled"
+    #: What the answer's status says the outcome will be once its body is complete.
+    answer_outcome: str = "ok"
     status: int = 0
     streaming: bool = False
     usage: UsageTracker | None = None
     sse: SseSplitter | None = None
     buffered: bytearray | None = None
     done_event: bool = False
-    first_chunk_at: float | None = None
     last_chunk_at: float | None = None
+    finished: bool = False
 
 
-class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
+class EndpointPicker:
     """The ``ExternalProcessor`` service: one ``Process`` stream per request."""
 
     def __init__(self, pipeline: Pipeline) -> None:
@@ -265,7 +280,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             if which == "request_trailers":
                 return [ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())], False
             if which == "response_headers":
-                return self._on_response_headers(exchange, message.response_headers), False
+                return self._on_response_headers(exchange, message), False
             if which == "response_body":
                 return self._on_response_body(exchange, message.response_body), False
             if which == "response_trailers":
@@ -293,7 +308,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         if endpoint is None or method != "POST":
             raise Refusal(BAD_REQUEST, f"{method} {path[:100]} is not an endpoint of this model deployment")
         if exchange.request_mode not in (FULL_DUPLEX, BUFFERED):
-            mode = _MODES.BodySendMode.Name(exchange.request_mode)  # type: ignore[arg-type]
+            mode = _MODES.BodySendMode.Name(exchange.request_mode)
             raise Refusal(
                 MISCONFIGURED,
                 f"the gateway sends request bodies to the endpoint picker as {mode}; configure its ext_proc "
@@ -355,7 +370,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             _header(REQUEST_ID_HEADER, build_request_id(tenant.name)),
             _header("content-length", str(len(prepared.payload))),
             _header("content-type", "application/json"),
-            _header("accept-encoding", "identity"),
+            *(_header(k, v) for k, v in UPSTREAM_SESSION_HEADERS.items()),
         ]
         incoming = exchange.headers or {}
         remove = [k for k in incoming if not k.startswith(":") and k not in _KEPT and k != DESTINATION_HEADER]
@@ -416,8 +431,12 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
 
     # -- the answer ----------------------------------------------------------------------------------
     def _on_response_headers(
-        self, exchange: _Exchange, message: ext_proc.HttpHeaders
+        self, exchange: _Exchange, request: ext_proc.ProcessingRequest
     ) -> list[ext_proc.ProcessingResponse]:
+        message = request.response_headers
+        details = _attribute(request, "response.code_details")
+        if details and details != "via_upstream" and exchange.admitted is not None:
+            raise self._gateway_failed(exchange, details)
         headers = _headers_of(message)
         status = int(headers.get(":status", "0") or 0)
         exchange.status = status
@@ -426,7 +445,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         if admitted is not None:
             set_headers = [_header(k, v) for k, v in admitted.gate.rate_limit_headers().items()]
             exchange.streaming = admitted.prepared.stream and status == 200
-            exchange.outcome = (
+            exchange.answer_outcome = (
                 "ok" if status == 200 else "upstream_error" if status >= 500 else "client_error"
             )
             if status >= 500:
@@ -436,7 +455,8 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             else:
                 exchange.buffered = bytearray()
             if message.end_of_stream:
-                self._settle(exchange)
+                exchange.outcome = exchange.answer_outcome
+                self._finish(exchange)
         return [
             ext_proc.ProcessingResponse(
                 response_headers=ext_proc.HeadersResponse(
@@ -446,6 +466,54 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 )
             )
         ]
+
+    def _gateway_failed(self, exchange: _Exchange, details: str) -> Refusal:
+        """The gateway answered instead of the engine (Envoy's ``response.code_details`` other than
+        ``via_upstream``): the replica is marked down (the connection was refused: nothing was sent) or
+        suspected (a reset or timeout after the request may have reached it), and the client gets the
+        same error as from the aiohttp door. No fail-over within the request: the gateway's cluster has the
+        one destination the EPP named; the next request is picked among the replicas still healthy."""
+        admitted, replica = exchange.admitted, exchange.replica
+        assert admitted is not None
+        pool = admitted.tenant.pool.name
+        refused = "connection_failure" in details or ("connect" in details and "reset" not in details)
+        timed_out = "timeout" in details
+        metrics = self.pipeline.metrics
+        if refused:
+            metrics.upstream_errors.labels(pool, "connect").inc()
+            exchange.outcome = "unavailable"
+            refusal = Refusal(
+                NO_HEALTHY_REPLICA,
+                "the engine replica did not accept the connection; nothing was sent, retry",
+                headers={"Retry-After": "1"},
+            )
+            self.pipeline.unavailable(admitted, refusal)
+            if replica is not None:
+                log.warning(
+                    "replica %s of pool %s refused or did not accept a connection (%s); marked down",
+                    replica.url,
+                    pool,
+                    details[:80],
+                )
+                self.pipeline.mark_down(pool, replica, "connect failed behind the gateway")
+        else:
+            metrics.upstream_errors.labels(pool, "timeout" if timed_out else "disconnect").inc()
+            exchange.outcome = "upstream_error"
+            kind = UPSTREAM_TIMEOUT if timed_out else UPSTREAM_FAILED
+            refusal = Refusal(
+                kind,
+                "the engine did not answer in time; the request was not retried because the engine may have "
+                "received it"
+                if timed_out
+                else "the engine connection failed before it answered; the request was not retried because "
+                "the engine may have received it",
+            )
+            if replica is not None:
+                self.pipeline.suspect(pool, replica, f"failed behind the gateway: {details[:80]}")
+        refusal.counted = True
+        self._settle(exchange)
+        self._finish(exchange)
+        return refusal
 
     def _on_response_body(
         self, exchange: _Exchange, body: ext_proc.HttpBody
@@ -462,9 +530,10 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 if exchange.buffered is not None and exchange.status == 200:
                     with contextlib.suppress(ValueError):
                         usage.take(json.loads(exchange.buffered))
+                exchange.outcome = exchange.answer_outcome
                 if exchange.sse is not None and not exchange.done_event:
                     exchange.outcome = "upstream_error"  # the stream ended without its last event
-                self._settle(exchange)
+                self._finish(exchange)  # before the last chunk reaches the client, as the aiohttp door
         if exchange.response_mode == FULL_DUPLEX:  # every chunk goes back, changed or not
             streamed = ext_proc.StreamedBodyResponse(body=out, end_of_stream=body.end_of_stream)
             mutation = ext_proc.BodyMutation(streamed_response=streamed)
@@ -529,24 +598,31 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         headers = {**self.pipeline.limit_headers(tenant), "content-type": "application/json"}
         return ext_proc.ProcessingResponse(
             immediate_response=ext_proc.ImmediateResponse(
-                status=http_status_pb2.HttpStatus(code=200),  # type: ignore[arg-type]
+                status=http_status_pb2.HttpStatus(code=200),
                 headers=ext_proc.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()]),
                 body=json.dumps({"object": "list", "data": data}).encode(),
             )
         )
 
-    def _end(self, exchange: _Exchange) -> None:
-        """The stream is over, however it ended: what it still holds is given back, and it is counted."""
-        if exchange.opened is not None:
-            exchange.opened.reservation.release()
+    def _finish(self, exchange: _Exchange) -> None:
+        """The answer is complete (or the stream ended): settled, the slot released, counted; once."""
+        if exchange.finished:
+            return
+        exchange.finished = True
         if exchange.replica is not None:
             exchange.replica.in_flight -= 1
         admitted = exchange.admitted
         if admitted is None:
             return
-        if exchange.usage is not None and exchange.outcome != "cancelled":
+        if exchange.outcome != "cancelled":
             self._settle(exchange)
         self.pipeline.finish(admitted, exchange.outcome)
+
+    def _end(self, exchange: _Exchange) -> None:
+        """The stream is over, however it ended: what it still holds is given back, and it is counted."""
+        if exchange.opened is not None:
+            exchange.opened.reservation.release()
+        self._finish(exchange)
 
 
 async def _pump(
