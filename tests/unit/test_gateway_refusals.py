@@ -56,7 +56,8 @@ def test_a_parsing_error_becomes_its_refusal_with_its_message_and_param(
 
 
 def test_a_limit_the_tenant_went_over_is_a_429_named_after_the_limit_with_when_to_retry() -> None:
-    refusal = r.refusal_of_throttle(Throttled("tokens_per_minute", 2.2, "over the tenant's tokens per minute"))
+    throttled = Throttled("tokens_per_minute", 2.2, "over the tenant's tokens per minute")
+    refusal = r.refusal_of_throttle(throttled)
     assert (refusal.kind, refusal.code, refusal.message) == (
         r.RATE_LIMITED,
         "tokens_per_minute",

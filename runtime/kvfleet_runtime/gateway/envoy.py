@@ -107,6 +107,9 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
             "codec_type": "AUTO",
             "early_header_mutation_extensions": [strip_destination],
             "request_headers_timeout": _duration(settings.header_timeout_s),
+            # The whole request received (the EPP's body timeout, which starts at the headers, answers
+            # first with its 408); not the answer: a stream lasts as long as the engine sends.
+            "request_timeout": _duration(settings.header_timeout_s + settings.body_timeout_s),
             "stream_idle_timeout": _duration(settings.upstream_read_timeout_s),
             "common_http_protocol_options": {"idle_timeout": _duration(settings.idle_timeout_s)},
             "route_config": {

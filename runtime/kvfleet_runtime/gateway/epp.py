@@ -583,7 +583,10 @@ class EndpointPicker:
 
     # -- refusals and the end ------------------------------------------------------------------------
     def _refuse(self, exchange: _Exchange, refusal: Refusal) -> ext_proc.ProcessingResponse:
+        """The refusal's answer; what the request holds is given back before the client can see it."""
         opened = exchange.opened
+        if opened is not None:
+            opened.reservation.release()
         if opened is not None and not refusal.counted:
             # Refusals of the stages that do not count their own (body bounds, the request's shape).
             self.pipeline.refused(refusal, opened.tenant, m.UNKNOWN_MODEL)
