@@ -23,6 +23,7 @@ BUILTIN_COMMANDS: tuple[str, ...] = (
     "kvfleet_runtime.kv.plan_cli",
     "kvfleet_runtime.kv.simulate_cli",
     "kvfleet_runtime.gateway.cli",
+    "kvfleet_runtime.gateway.epp_cli",
     "kvfleet_runtime.gateway.usage_cli",
     "kvfleet_runtime.engine.cli",
 )

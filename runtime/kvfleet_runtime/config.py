@@ -41,6 +41,9 @@ SHARED_TIER_PORT = 6557  # the pool's shared KV tier (RESP, from the pool's engi
 SHARED_TIER_METRICS_PORT = 6558  # the shared KV tier's Prometheus metrics (serves no KV)
 GATEWAY_PORT = 8080  # the gateway's OpenAI endpoint
 GATEWAY_METRICS_PORT = 8081  # the gateway's Prometheus metrics (serves no inference API)
+EPP_PORT = 9002  # the Endpoint Picker's ext_proc gRPC port (GIE's convention)
+EPP_METRICS_PORT = 9090  # the Endpoint Picker's Prometheus metrics
+ENVOY_ADMIN_PORT = 9901  # Envoy's admin interface, on loopback only (/ready)
 #: LMCache's default chunk, in tokens (``lmcache server --chunk-size``). LMCache stores, evicts and
 #: enforces quotas in whole chunks, so "within quota" means within quota plus one chunk.
 DEFAULT_LMCACHE_CHUNK_TOKENS = 256

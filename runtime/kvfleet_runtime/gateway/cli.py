@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _run_loop(coro: Coroutine[Any, Any, None]) -> None:
+def run_loop(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop  # noqa: PLC0415 - optional speed-up; plain asyncio works the same
     except ImportError:
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kvfleet.gateway").error("cannot start: %s", describe_error(exc))
         return 2
     try:
-        _run_loop(serve(settings, host, port, metrics_host, metrics_port))
+        run_loop(serve(settings, host, port, metrics_host, metrics_port))
     except KeyboardInterrupt:
         return 0
     return 0
