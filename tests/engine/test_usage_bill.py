@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from devcluster import PrometheusServer
 from gateway_on_vllm import MODEL_DEPLOYMENT, Tenant, gateway_on_vllm
 
+from gateway_support import FRONT_DOORS
 from kvfleet_runtime.config import RateLimits
 from kvfleet_runtime.gateway import metrics as m
 
@@ -45,15 +47,16 @@ def prometheus_value(prom: PrometheusServer, expr: str) -> float:
     return float(result[0]["value"][1]) if result else 0.0
 
 
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
 async def test_the_bill_equals_the_engines_token_counts(
-    tmp_path: Path, vllm_server: Any, prometheus: Callable[..., PrometheusServer]
+    tmp_path: Path, vllm_server: Any, prometheus: Callable[..., PrometheusServer], front_door: str
 ) -> None:
     tenants = [Tenant("acme"), Tenant("beta"), Tenant("capped", RateLimits(requests_per_minute=2))]
     engine_before = {
         name: vllm_server.metric_value(name)
         for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
     }
-    async with gateway_on_vllm(tmp_path, vllm_server.base_url, vllm_server.model, tenants) as gw:
+    async with gateway_on_vllm(tmp_path, vllm_server.base_url, vllm_server.model, tenants, front_door) as gw:
         target = urllib.parse.urlsplit(gw.metrics_url).netloc
         prom = prometheus(
             {

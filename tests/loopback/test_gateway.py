@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway_support import (
+    FRONT_DOORS,
     MODEL,
     FakeEngine,
     TenantRow,
@@ -27,18 +28,14 @@ from gateway_support import (
     build_table,
     fake_engines,
     free_closed_port_url,
+    running_front_door,
     write_config,
 )
 from kvfleet_runtime.config import TIER_PRIORITY, Isolation, KeyFile, RateLimits, SlaTier, derive_cache_salt
 from kvfleet_runtime.gateway import metrics as m
-from kvfleet_runtime.gateway.envoy import running_envoy_gateway
 from kvfleet_runtime.gateway.pipeline import Pipeline
 from kvfleet_runtime.gateway.rewrite import TENANT_XARG, parse_tenant_from_request_id
 from kvfleet_runtime.gateway.server import Gateway, GatewaySettings, running_gateway
-
-#: The two front doors the tenancy tests run through: kvfleet's own aiohttp gateway, and real Envoy with
-#: kvfleet's Endpoint Picker behind it (gateway/envoy.py, gateway/epp.py).
-FRONT_DOORS = ("aiohttp", "envoy")
 
 
 @dataclass
@@ -99,36 +96,19 @@ async def gateway_env(
         keyfile, plain = build_keys(tenants)
         config, keys_path = write_config(tmp_path, table, keyfile)
         s = GatewaySettings(config_path=config, keys_path=keys_path, **{"reload_interval_s": 0.1, **settings})
-        async with aiohttp.ClientSession() as http:
-            if front_door == "envoy":
-                async with running_envoy_gateway(s, tmp_path / "envoy") as envoy:
-                    pipeline = envoy.picker.pipeline
-                    yield Env(
-                        envoy.url,
-                        None,
-                        pipeline,
-                        envoy.metrics_url,
-                        engines,
-                        plain,
-                        keyfile,
-                        config,
-                        keys_path,
-                        http,
-                    )
-            else:
-                async with running_gateway(s) as (url, gateway):
-                    yield Env(
-                        url,
-                        gateway,
-                        gateway.pipeline,
-                        gateway.metrics_url,
-                        engines,
-                        plain,
-                        keyfile,
-                        config,
-                        keys_path,
-                        http,
-                    )
+        async with running_front_door(s, front_door, tmp_path) as door, aiohttp.ClientSession() as http:
+            yield Env(
+                door.url,
+                door.gateway,
+                door.pipeline,
+                door.metrics_url,
+                engines,
+                plain,
+                keyfile,
+                config,
+                keys_path,
+                http,
+            )
 
 
 ACME = TenantRow("acme", tier=SlaTier.PREMIUM, keys=2)
