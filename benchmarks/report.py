@@ -367,7 +367,12 @@ def render_engine_restore(f: Files) -> str:
 
 # --- gateway --------------------------------------------------------------------------------------------
 
-PROXIES = {"kvfleet": "kvfleet gateway", "vllm-router": "vllm-router", "litellm": "LiteLLM proxy"}
+PROXIES = {
+    "kvfleet": "kvfleet gateway",
+    "kvfleet-envoy": "Envoy 1.40 + kvfleet EPP",
+    "vllm-router": "vllm-router",
+    "litellm": "LiteLLM proxy",
+}
 #: The gateway at an earlier git ref, run in the same benchmark (``bench.py --baseline-ref``).
 BASELINE_PREFIX = "kvfleet@"
 
@@ -419,6 +424,35 @@ def render_gateway(f: Files, name: str) -> str:
             f"p99 {num(median(r.figures['direct.p99']), 2)} ms."
         )
     return text
+
+
+def render_front_doors(f: Files, name: str) -> str:
+    """kvfleet's two front doors (and the peers measured in the same run): added latency at the fixed
+    rate, the proxy's own CPU per request, and the highest rate under the added-p99 bound."""
+    r = f[name]
+    rate, repeats = detail_float(r, "rate"), detail_int(r, "repeats")
+    bound = detail_float(r, "max_p99_overhead_ms")
+    header = [
+        "front door",
+        f"added p50 at {rate:g} req/s (ms), median [min\u2013max] of {repeats}",
+        f"added p99 at {rate:g} req/s (ms)",
+        "CPU per request (ms)",
+        f"max rate at added p99 \u2264 {bound:g} ms (req/s)",
+    ]
+    rows = [
+        [
+            label,
+            with_note(spread(r.figure(f"{p}.added_p50"), ms2), r.figure(f"{p}.added_p50")),
+            with_note(spread(r.figure(f"{p}.added_p99"), sig3), r.figure(f"{p}.added_p99")),
+            spread(r.figure(f"{p}.cpu_per_request"), ms2)
+            if f"{p}.cpu_per_request" in r.figures
+            else "not ours",
+            _max_rate(r, p),
+        ]
+        for p, label in _gateway_rows(r).items()
+        if f"{p}.added_p50" in r.figures
+    ]
+    return table(header, rows)
 
 
 FAILED_TRY = " \u2717"
@@ -918,6 +952,9 @@ BLOCKS: dict[str, Block] = {
     "gateway_loaded": Block(("gateway_loaded",), lambda f: render_gateway(f, "gateway_loaded")),
     "gateway": Block(("gateway",), lambda f: render_gateway(f, "gateway")),
     "gateway_ttft": Block(("gateway_ttft",), render_gateway_ttft),
+    "gateway_front_doors": Block(
+        ("gateway_front_doors",), lambda f: render_front_doors(f, "gateway_front_doors")
+    ),
     "gateway_knee": Block(("gateway_knee",), lambda f: render_gateway(f, "gateway_knee")),
     "gateway_knee_sweep": Block(("gateway_knee",), lambda f: render_gateway_sweep(f, "gateway_knee")),
     "soak": Block(("soak_fake", "soak_vllm"), render_soak),

