@@ -1477,6 +1477,74 @@ class ExposureSpec(CrdModel):
         return self
 
 
+# --- GIE: InferencePool and the data plane --------------------------------------------------------------
+# kvfleet behind the platform's own Gateway API Inference Extension gateway (docs/onboarding.md): an
+# InferencePool per pool whose Endpoint Picker is kvfleet's (``build/endpoint_picker.py``).
+
+
+class DataPlane(StrEnum):
+    """What the gateway pods run."""
+
+    KVFLEET = "kvfleet"
+    ENVOY = "envoy"
+
+
+#: A label key (an optional DNS-subdomain prefix and a name) and value, as Kubernetes checks them.
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+RULE_GATEWAY_POD_LABELS = CelRule(
+    rule=f"self.all(k, k.matches('{LABEL_KEY_PATTERN}'))",
+    message="spec.gateway.inferencePool.gatewayPods.matchLabels: each key must be a label key such as "
+    "gateway.networking.k8s.io/gateway-name (an optional DNS prefix and /, then a name of at most 63 "
+    "letters, digits, -, _ or .)",
+)
+
+
+class GatewayPods(CrdModel):
+    """The pods of the platform's gateway (Istio, kgateway, Envoy Gateway, ...) that call the Endpoint
+    Picker and then the engines: one namespace, by name, and the pods' labels there."""
+
+    namespace: Annotated[
+        str | None,
+        Field(
+            max_length=63,
+            pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+            description="Namespace the gateway's pods run in, e.g. gateways; empty: this namespace. One the "
+            "platform allows (the chart's guardrails.inferenceGatewayNamespaces; by default only this "
+            "namespace).",
+        ),
+    ] = None
+    match_labels: Annotated[
+        dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]],
+        Field(
+            min_length=1,
+            max_length=16,
+            description="Labels the gateway's pods carry there, e.g. gateway.networking.k8s.io/gateway-name: "
+            "edge (Istio, kgateway and Envoy Gateway put the Gateway's name in that label). At least one: "
+            "the NetworkPolicies admit exactly these pods to the Endpoint Picker and the engines' OpenAI port.",
+            json_schema_extra=cel_rules_schema(RULE_GATEWAY_POD_LABELS),
+        ),
+    ]
+
+    @model_validator(mode="after")
+    def _label_keys(self) -> Self:
+        if not all(re.fullmatch(LABEL_KEY_PATTERN, k) for k in self.match_labels):
+            raise ValueError(RULE_GATEWAY_POD_LABELS.message)
+        return self
+
+
+class InferencePoolSpec(CrdModel):
+    """An InferencePool (inference.networking.k8s.io/v1) per engine pool, whose endpointPickerRef is this
+    ModelDeployment's Endpoint Picker (``<name>-epp``, port 9002): the platform's GIE gateway asks it which
+    engine serves each request, and kvfleet's tenancy (keys, salts, limits, fair queuing, metering) holds
+    as through kvfleet's own gateway."""
+
+    gateway_pods: GatewayPods = Field(
+        description="The platform gateway's pods: the only pods besides this ModelDeployment's own gateway "
+        "that the NetworkPolicies admit to the Endpoint Picker's gRPC port and the engines' OpenAI port."
+    )
+
+
 # --- gateway fair queuing -----------------------------------------------------------------------------
 # The gateway holds requests beyond what the engines are given at once and releases them in a fair order
 # within an SLA tier (docs/operations.md, "Fair queuing"). Unset fields keep the gateway's own defaults.
@@ -1555,6 +1623,19 @@ class GatewaySpec(CrdModel):
         description="How long a request may wait at the gateway (for its tenant's concurrency limit or for "
         "room on the engines) before it is refused with 429 and Retry-After, e.g. 10s; longer than 0s, at "
         f"most {MAX_QUEUE_TIMEOUT}. Unset: 10s.",
+    )
+    data_plane: DataPlane = Field(
+        default=DataPlane.KVFLEET,
+        description="What the gateway pods run: kvfleet (kvfleet's own gateway) or envoy (Envoy, which asks "
+        "this ModelDeployment's Endpoint Picker, <name>-epp, for every request; the tenancy is the same, "
+        "applied by the Endpoint Picker, which also serves the gateway's metrics).",
+    )
+    inference_pool: InferencePoolSpec | None = Field(
+        default=None,
+        description="Serve the pools behind the platform's own Gateway API Inference Extension gateway: an "
+        "InferencePool per pool (the operator needs the chart's rbac.inferencePool and the cluster the "
+        "InferencePool CRD) and an Endpoint Picker; with exposure.httpRoute the route's backend is the "
+        "shared pool's InferencePool.",
     )
 
     @model_validator(mode="after")

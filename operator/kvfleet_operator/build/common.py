@@ -32,9 +32,14 @@ LMCACHE_HTTP_PORT = config.LMCACHE_HTTP_PORT
 GATEWAY_PORT = config.GATEWAY_PORT
 GATEWAY_METRICS_PORT = config.GATEWAY_METRICS_PORT
 SHARED_TIER_PORT = config.SHARED_TIER_PORT
+EPP_PORT = config.EPP_PORT
+EPP_METRICS_PORT = config.EPP_METRICS_PORT
+ENVOY_ADMIN_PORT = config.ENVOY_ADMIN_PORT
 SHARED_TIER_METRICS_PORT = config.SHARED_TIER_METRICS_PORT
 #: The ``app.kubernetes.io/component`` of the shared KV tier's pod (``build/shared_tier.py``).
 SHARED_TIER_COMPONENT = "shared-tier"
+#: The ``app.kubernetes.io/component`` of the Endpoint Picker's pods (``build/endpoint_picker.py``).
+EPP_COMPONENT = "epp"
 #: The engine container's one port for Prometheus (``PLUGIN_METRICS_PORT``: every series of the pod, no
 #: inference API); the PodMonitor scrapes it by this name.
 ENGINE_METRICS_PORT_NAME = "metrics"
@@ -125,6 +130,11 @@ def gateway_name(model_deployment: str) -> str:
 
 def engine_name(model_deployment: str, pool: str) -> str:
     return f"{model_deployment}-engine" if pool == SHARED_POOL else f"{model_deployment}-{pool}-engine"
+
+
+def epp_name(model_deployment: str) -> str:
+    """The Endpoint Picker's Deployment and Service (an InferencePool's ``endpointPickerRef``)."""
+    return f"{model_deployment}-epp"
 
 
 def shared_tier_name(model_deployment: str) -> str:

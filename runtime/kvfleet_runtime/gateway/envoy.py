@@ -78,8 +78,8 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
             "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "10s"},
             "failure_mode_allow": False,
             # Whether the engine answered or Envoy did (a connection it could not make, a reset, a
-            # timeout), and which engine served: the EPP's passive health and its error bodies.
-            "response_attributes": ["response.code_details", "upstream.address"],
+            # timeout): the EPP's passive health and its error bodies.
+            "response_attributes": ["response.code_details"],
             "message_timeout": _duration(message_timeout),
             "max_message_timeout": _duration(message_timeout),
             "processing_mode": {
