@@ -677,3 +677,19 @@ async def test_openai_client_works_unchanged_streaming_included(tmp_path: Path, 
             await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
         await client.close()
         await bad.close()
+
+
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
+async def test_a_path_that_is_no_endpoint_is_404_and_a_wrong_method_405(
+    tmp_path: Path, front_door: str
+) -> None:
+    async with gateway_env(tmp_path, [ACME], front_door=front_door) as env:
+        for method, path, want in (("GET", "/v1/chat/completions", 405), ("POST", "/v2/nothing", 404)):
+            async with env.http.request(method, env.url + path, headers=env.auth("acme"), json={}) as r:
+                assert r.status == want
+                assert (await r.json())["error"]["code"] == (
+                    "not_found" if want == 404 else "method_not_allowed"
+                )
+                if want == 405:
+                    assert r.headers["Allow"] == "POST"
+        assert env.engines[0].received == []

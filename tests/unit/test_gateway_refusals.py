@@ -29,6 +29,8 @@ def test_each_kind_is_answered_and_counted_as_the_dashboards_expect() -> None:
         (502, "upstream_failed"): ("upstream_error", "upstream_failed", "upstream_error"),
         (504, "upstream_timeout"): ("upstream_error", "upstream_timeout", "upstream_error"),
         (500, "gateway_misconfigured"): ("server_error", "gateway_misconfigured", "unavailable"),
+        (404, "not_found"): ("invalid_request_error", "not_found", "client_error"),
+        (405, "method_not_allowed"): ("invalid_request_error", "method_not_allowed", "client_error"),
     }
     # Only a limit the tenant went over is counted as a throttle (throttled_total, its own code).
     assert [k for k in r.KINDS if k.throttle] == [r.RATE_LIMITED]
@@ -69,3 +71,11 @@ def test_a_limit_the_tenant_went_over_is_a_429_named_after_the_limit_with_when_t
 def test_a_refusal_carries_its_kinds_headers_and_its_own() -> None:
     refusal = r.Refusal(r.GATEWAY_BUSY, "busy", headers={"X-Extra": "1"})
     assert (refusal.code, refusal.headers) == ("gateway_busy", {"Retry-After": "1", "X-Extra": "1"})
+
+
+def test_a_path_that_is_no_route_is_404_and_a_route_asked_with_another_method_is_405_naming_it() -> None:
+    missing = r.path_refusal("GET", "/v1/embeddings")
+    assert (missing.kind, missing.message) == (r.NOT_FOUND, "no such endpoint")
+    wrong = r.path_refusal("GET", "/v1/chat/completions")
+    assert wrong.kind is r.METHOD_NOT_ALLOWED and wrong.headers["Allow"] == "POST"
+    assert "use POST" in wrong.message

@@ -73,6 +73,7 @@ from kvfleet_runtime.gateway.refusals import (
     UPSTREAM_FAILED,
     UPSTREAM_TIMEOUT,
     Refusal,
+    path_refusal,
 )
 from kvfleet_runtime.gateway.rewrite import (
     FORWARDED_HEADERS,
@@ -306,7 +307,7 @@ class EndpointPicker:
             return [self._models(tenant)]
         endpoint = _ENDPOINTS.get(path)
         if endpoint is None or method != "POST":
-            raise Refusal(BAD_REQUEST, f"{method} {path[:100]} is not an endpoint of this model deployment")
+            raise path_refusal(method, path)
         if exchange.request_mode not in (FULL_DUPLEX, BUFFERED):
             mode = _MODES.BodySendMode.Name(exchange.request_mode)
             raise Refusal(

@@ -74,6 +74,17 @@ UPSTREAM_TIMEOUT = RefusalKind(
     504, "upstream_error", "upstream_timeout", "upstream_timeout", "upstream_error"
 )
 
+#: A path that is not an endpoint of the model deployment, or a method its endpoint does not take.
+NOT_FOUND = RefusalKind(
+    404, "invalid_request_error", "not_found", "not_found", headers=(("Connection", "close"),)
+)
+METHOD_NOT_ALLOWED = RefusalKind(
+    405,
+    "invalid_request_error",
+    "method_not_allowed",
+    "method_not_allowed",
+    headers=(("Connection", "close"),),
+)
 #: The platform's gateway calls the Endpoint Picker in a way it cannot serve (a body mode it does not speak).
 MISCONFIGURED = RefusalKind(
     500, "server_error", "gateway_misconfigured", "gateway_misconfigured", "unavailable"
@@ -95,6 +106,8 @@ KINDS = (
     UPSTREAM_FAILED,
     UPSTREAM_TIMEOUT,
     MISCONFIGURED,
+    NOT_FOUND,
+    METHOD_NOT_ALLOWED,
 )
 
 
@@ -138,3 +151,23 @@ def refusal_of(exc: BadRequest | RequestTooLarge) -> Refusal:
     else:
         kind = BAD_REQUEST
     return Refusal(kind, exc.message, exc.param)
+
+
+#: The routes of the public API and their one method (the aiohttp door also serves its probes there).
+ROUTES: dict[str, str] = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+    "/healthz": "GET",
+    "/readyz": "GET",
+}
+
+
+def path_refusal(method: str, path: str) -> Refusal:
+    """404 for a path that is no route, 405 (with ``Allow``) for a route asked with another method."""
+    allowed = ROUTES.get(path)
+    if allowed is None:
+        return Refusal(NOT_FOUND, "no such endpoint")
+    return Refusal(
+        METHOD_NOT_ALLOWED, f"{method} is not allowed on {path}; use {allowed}", headers={"Allow": allowed}
+    )

@@ -62,6 +62,7 @@ from kvfleet_runtime.gateway.refusals import (
     UPSTREAM_FAILED,
     UPSTREAM_TIMEOUT,
     Refusal,
+    path_refusal,
 )
 from kvfleet_runtime.gateway.rewrite import (
     Endpoint,
@@ -612,29 +613,9 @@ def _closing(response: web.Response) -> web.Response:
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("kvfleet_gateway", Gateway)
 
 
-_ROUTES: dict[str, str] = {
-    Endpoint.CHAT.value: "POST",
-    Endpoint.COMPLETIONS.value: "POST",
-    "/v1/models": "GET",
-    "/healthz": "GET",
-    "/readyz": "GET",
-}
-
-
 async def _fallback(request: web.Request) -> web.Response:
     """404/405 as OpenAI-style JSON (a catch-all route is cheaper than a middleware on every request)."""
-    allowed = _ROUTES.get(request.path)
-    if allowed is not None:
-        return _closing(
-            error_response(
-                405,
-                f"{request.method} is not allowed on {request.path}; use {allowed}",
-                "invalid_request_error",
-                "method_not_allowed",
-                headers={"Allow": allowed},
-            )
-        )
-    return _closing(error_response(404, "no such endpoint", "invalid_request_error", "not_found"))
+    return _closing(refusal_response(path_refusal(request.method, request.path)))
 
 
 def build_app(settings: GatewaySettings, metrics: GatewayMetrics | None = None) -> web.Application:
