@@ -115,6 +115,13 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
   resources: ["httproutes"]
   verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.rbac.inferencePool }}
+# Gateway API Inference Extension InferencePools, one per engine pool (spec.gateway.inferencePool); not
+# watched either.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+{{- end }}
 # Engine pods: listed (by the engine label) to read each ready one's KV blocks on its metrics port, and
 # deleted (grace period 0, uid precondition) only when one was evicted from a lost node and is stuck
 # Terminating (spec.pool.nodeLoss; never a pod whose node is Ready).
@@ -139,5 +146,6 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
 {{- $kinds := list -}}
 {{- if .Values.rbac.ingress }}{{ $kinds = append $kinds "Ingress" }}{{ end -}}
 {{- if .Values.rbac.httpRoute }}{{ $kinds = append $kinds "HTTPRoute" }}{{ end -}}
+{{- if .Values.rbac.inferencePool }}{{ $kinds = append $kinds "InferencePool" }}{{ end -}}
 {{- join "," $kinds -}}
 {{- end -}}

@@ -1521,7 +1521,8 @@ class GatewayPods(CrdModel):
             max_length=16,
             description="Labels the gateway's pods carry there, e.g. gateway.networking.k8s.io/gateway-name: "
             "edge (Istio, kgateway and Envoy Gateway put the Gateway's name in that label). At least one: "
-            "the NetworkPolicies admit exactly these pods to the Endpoint Picker and the engines' OpenAI port.",
+            "the NetworkPolicies admit exactly these pods to the Endpoint Picker and the engines' OpenAI "
+            "port.",
             json_schema_extra=cel_rules_schema(RULE_GATEWAY_POD_LABELS),
         ),
     ]

@@ -13,18 +13,28 @@ import ipaddress
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from kvfleet_operator.api.modeldeployment import ExposureSpec, FairQueuingOrder, ServiceType
+from kvfleet_operator.api.modeldeployment import (
+    DataPlane,
+    ExposureSpec,
+    FairQueuingOrder,
+    InferencePoolSpec,
+    ServiceType,
+)
 from kvfleet_operator.build.common import (
     CONFIG_DIR,
+    ENVOY_ADMIN_PORT,
+    EPP_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     KEY_FILE_KEY,
     KEYS_DIR,
+    SHARED_POOL,
     TENANT_TABLE_KEY,
     Obj,
     Owner,
     config_map_name,
     engine_name,
+    epp_name,
     gateway_name,
     keys_secret_name,
     metadata,
@@ -41,6 +51,8 @@ from kvfleet_operator.build.engine import build_node_loss_tolerations
 GATEWAY_PRESTOP_SLEEP_S = 5
 #: Seconds in-flight requests (streams included) get to finish after SIGTERM (``--drain-timeout``).
 GATEWAY_DRAIN_TIMEOUT_S = 60
+#: Where an InferencePool (inference.networking.k8s.io) lives, as an HTTPRoute's backendRef names it.
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
 #: The kubelet's SIGKILL comes this long after the pod starts terminating: preStop + drain + a margin for
 #: the process to exit.
 GATEWAY_TERMINATION_GRACE_S = GATEWAY_PRESTOP_SLEEP_S + GATEWAY_DRAIN_TIMEOUT_S + 10
@@ -65,6 +77,17 @@ class GatewayWorkload:
     #: Hosts whose http(s) media URLs requests may carry (the chart's ``allowedMediaHosts``); empty: only
     #: ``data:`` URLs.
     allowed_media_domains: tuple[str, ...] = ()
+    #: ``spec.gateway.dataPlane``: kvfleet's gateway, or Envoy asking the Endpoint Picker.
+    data_plane: DataPlane = DataPlane.KVFLEET
+    #: ``spec.gateway.inferencePool`` where the operator applies InferencePools (the chart grants the
+    #: right and the cluster serves the CRD); ``None`` otherwise: then nothing routes to an InferencePool
+    #: and no NetworkPolicy admits the platform gateway's pods.
+    inference_pool: InferencePoolSpec | None = None
+
+    @property
+    def endpoint_picker(self) -> bool:
+        """Whether this ModelDeployment runs an Endpoint Picker: for Envoy, or for an InferencePool."""
+        return self.data_plane is DataPlane.ENVOY or self.inference_pool is not None
 
 
 def gateway_engine_in_flight(engine_in_flight_per_replica: int, gateway_replicas: int) -> int:
@@ -108,58 +131,53 @@ def gateway_media_args(g: GatewayWorkload) -> list[str]:
     return ["--allowed-media-domains", ",".join(g.allowed_media_domains)] if g.allowed_media_domains else []
 
 
-def build_gateway_deployment(g: GatewayWorkload) -> Obj:
-    name = gateway_name(g.model_deployment)
-    labels = object_labels(g.model_deployment, "gateway")
-    container: Obj = {
-        "name": "gateway",
-        "image": g.image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": [
-            "kvfleet",
-            "gateway",
-            "--config",
-            f"{CONFIG_DIR}/{TENANT_TABLE_KEY}",
-            "--keys",
-            f"{KEYS_DIR}/{KEY_FILE_KEY}",
-            "--listen",
-            f"0.0.0.0:{GATEWAY_PORT}",
-            "--metrics-listen",
-            f"0.0.0.0:{GATEWAY_METRICS_PORT}",
-            # Each replica enforces 1/replicas of every tenant's rate limits.
-            "--replicas",
-            str(g.replicas),
-            "--drain-timeout",
-            str(GATEWAY_DRAIN_TIMEOUT_S),
-            *gateway_fair_queuing_args(g),
-            *gateway_connection_args(g),
-            *gateway_media_args(g),
-        ],
-        "ports": [
-            {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
-        ],
-        "resources": {
-            "requests": {"cpu": g.cpu_request, "memory": g.memory_request},
-            "limits": {"memory": g.memory_limit},
-        },
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
-        # The sleep action needs no binary in the image (Kubernetes >= 1.30, the chart's kubeVersion).
-        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
-        "securityContext": restricted_container_security(),
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
-        ],
+def gateway_settings_args(g: GatewayWorkload) -> list[str]:
+    """The gateway settings every front door of ``g`` runs with (``kvfleet gateway``, ``kvfleet epp``,
+    ``kvfleet envoy`` take the same flags): the tenant table and keys as mounted, the replica count
+    (each replica enforces 1/replicas of every tenant's rate limits), the drain time, and what the spec
+    and the chart set."""
+    return [
+        "--config",
+        f"{CONFIG_DIR}/{TENANT_TABLE_KEY}",
+        "--keys",
+        f"{KEYS_DIR}/{KEY_FILE_KEY}",
+        "--replicas",
+        str(g.replicas),
+        "--drain-timeout",
+        str(GATEWAY_DRAIN_TIMEOUT_S),
+        *gateway_fair_queuing_args(g),
+        *gateway_connection_args(g),
+        *gateway_media_args(g),
+    ]
+
+
+def runtime_config_mounts() -> list[Obj]:
+    """The tenant table and the key file, read only, where ``gateway_settings_args`` points."""
+    return [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True},
+    ]
+
+
+def front_door_resources(g: GatewayWorkload) -> Obj:
+    return {
+        "requests": {"cpu": g.cpu_request, "memory": g.memory_request},
+        "limits": {"memory": g.memory_limit},
     }
+
+
+def build_front_door_deployment(g: GatewayWorkload, component: str, name: str, container: Obj) -> Obj:
+    """A Deployment of ``g.replicas`` pods running ``container`` with the tenant table and keys mounted,
+    the ``restricted`` Pod Security level, no service-account token and no service links (the gateway's
+    and the Endpoint Picker's: both hold the key hashes and the salt key)."""
+    labels = object_labels(g.model_deployment, component)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(name, g.namespace, labels, g.owner),
         "spec": {
             "replicas": g.replicas,
-            "selector": {"matchLabels": selector_labels(g.model_deployment, "gateway")},
+            "selector": {"matchLabels": selector_labels(g.model_deployment, component)},
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
@@ -167,8 +185,8 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": GATEWAY_TERMINATION_GRACE_S,
                     "securityContext": restricted_pod_security(),
-                    # Like the engines': a gateway pod on a node that stopped reporting is evicted (and
-                    # its Deployment starts another) after 30 s, not DefaultTolerationSeconds' 300 s.
+                    # Like the engines': a pod on a node that stopped reporting is evicted (and its
+                    # Deployment starts another) after 30 s, not DefaultTolerationSeconds' 300 s.
                     "tolerations": build_node_loss_tolerations(()),
                     "containers": [container],
                     "volumes": [
@@ -179,6 +197,78 @@ def build_gateway_deployment(g: GatewayWorkload) -> Obj:
             },
         },
     }
+
+
+def epp_address(g: GatewayWorkload) -> str:
+    """``host:port`` of this ModelDeployment's Endpoint Picker, as the Envoy data plane dials it."""
+    return f"{epp_name(g.model_deployment)}.{g.namespace}.svc:{EPP_PORT}"
+
+
+def _gateway_container(g: GatewayWorkload) -> Obj:
+    return {
+        "name": "gateway",
+        "image": g.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "kvfleet",
+            "gateway",
+            *gateway_settings_args(g),
+            "--listen",
+            f"0.0.0.0:{GATEWAY_PORT}",
+            "--metrics-listen",
+            f"0.0.0.0:{GATEWAY_METRICS_PORT}",
+        ],
+        "ports": [
+            {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": front_door_resources(g),
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
+        # The sleep action needs no binary in the image (Kubernetes >= 1.30, the chart's kubeVersion).
+        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
+        "securityContext": restricted_container_security(),
+        "volumeMounts": runtime_config_mounts(),
+    }
+
+
+def _envoy_container(g: GatewayWorkload) -> Obj:
+    """Envoy (``kvfleet envoy`` renders its configuration from the same settings and execs it): the API
+    port only. Its metrics are the Endpoint Picker's (it runs the tenancy); its admin port is bound to the
+    pod's loopback, where the kubelet cannot reach ``/ready``, so the probes open a TCP connection to the
+    API port: Envoy accepts there only once its listener is up (after its initialization, which is what
+    ``/ready`` reports), and Envoy's own answer to a request the Endpoint Picker cannot take is 500
+    (FailClose), never a request routed without tenancy."""
+    return {
+        "name": "gateway",
+        "image": g.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "kvfleet",
+            "envoy",
+            *gateway_settings_args(g),
+            "--listen",
+            f"0.0.0.0:{GATEWAY_PORT}",
+            "--epp",
+            epp_address(g),
+            "--admin-port",
+            str(ENVOY_ADMIN_PORT),
+        ],
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "resources": front_door_resources(g),
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10},
+        "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
+        "securityContext": restricted_container_security(),
+        "volumeMounts": runtime_config_mounts(),
+    }
+
+
+def build_gateway_deployment(g: GatewayWorkload) -> Obj:
+    """The gateway pods: kvfleet's gateway (``dataPlane: kvfleet``) or Envoy calling the Endpoint Picker
+    (``dataPlane: envoy``); same Deployment, labels and Services either way."""
+    container = _envoy_container(g) if g.data_plane is DataPlane.ENVOY else _gateway_container(g)
+    return build_front_door_deployment(g, "gateway", gateway_name(g.model_deployment), container)
 
 
 #: The path prefix an Ingress or HTTPRoute sends to the gateway: the OpenAI API, nothing else.
@@ -265,9 +355,29 @@ def build_gateway_ingress(g: GatewayWorkload) -> Obj | None:
     }
 
 
+def route_backend(g: GatewayWorkload) -> Obj:
+    """Where the HTTPRoute sends ``/v1``: the shared pool's InferencePool when ``spec.gateway.inferencePool``
+    is set (and applied), else the gateway's client Service.
+
+    One route, one backend: an HTTPRoute cannot tell a dedicated tenant's request from a shared one's
+    (the tenant is known only once the Endpoint Picker has read the key), so it cannot send each to its
+    own pool's InferencePool. The shared pool's is the one every tenant's request may enter: the Endpoint
+    Picker picks the replica of the tenant's own pool, dedicated or shared, unless the gateway restricts
+    it to the pool's endpoints (GIE's subset hint), in which case a dedicated tenant needs a route of its
+    own to its pool's InferencePool (docs/onboarding.md)."""
+    if g.inference_pool is not None:
+        return {
+            "group": INFERENCE_POOL_GROUP,
+            "kind": "InferencePool",
+            "name": engine_name(g.model_deployment, SHARED_POOL),
+        }
+    return {"name": gateway_name(g.model_deployment), "port": GATEWAY_PORT}
+
+
 def build_gateway_http_route(g: GatewayWorkload) -> Obj | None:
     """The Gateway API HTTPRoute of ``spec.gateway.exposure.httpRoute`` (``None`` without one): its
-    hostnames + ``/v1`` to the client Service, attached to the named Gateways (which terminate TLS)."""
+    hostnames + ``/v1`` to the client Service (or the shared pool's InferencePool: ``route_backend``),
+    attached to the named Gateways (which terminate TLS)."""
     route = g.exposure.http_route
     if route is None:
         return None
@@ -287,7 +397,7 @@ def build_gateway_http_route(g: GatewayWorkload) -> Obj | None:
             "rules": [
                 {
                     "matches": [{"path": {"type": "PathPrefix", "value": EXPOSED_PATH_PREFIX}}],
-                    "backendRefs": [{"name": gateway_name(g.model_deployment), "port": GATEWAY_PORT}],
+                    "backendRefs": [route_backend(g)],
                 }
             ],
         },

@@ -178,6 +178,13 @@ class Guardrails(CrdModel):
         description="Gateways an HTTPRoute may attach to, as namespace/name shell patterns ({namespace}: "
         "the ModelDeployment's); the default: any Gateway in its own namespace.",
     )
+    inference_gateway_namespaces: tuple[Pattern, ...] = Field(
+        default=(NAMESPACE_PLACEHOLDER,),
+        description="Namespaces (shell patterns; {namespace}: the ModelDeployment's) whose pods "
+        "spec.gateway.inferencePool.gatewayPods may name: the NetworkPolicies admit those pods to the "
+        "Endpoint Picker and to the engines' OpenAI port. The default: the ModelDeployment's own namespace "
+        "only; list the namespace the platform's GIE gateway runs in, e.g. gateways.",
+    )
 
     @field_validator("host_path_roots")
     @classmethod
@@ -362,6 +369,27 @@ def _check_exposure(
     return refusals
 
 
+def _check_inference_pool(md: ModelDeployment, guardrails: Guardrails, namespace: str) -> list[Refusal]:
+    """The platform gateway's pods are admitted to the engines' OpenAI port (where no key, salt or limit
+    applies) and to the Endpoint Picker: only in a namespace the platform allows. Checked whether or not
+    the operator may create InferencePools: it writes the NetworkPolicies either way."""
+    pool = md.spec.gateway.inference_pool
+    if pool is None:
+        return []
+    target = pool.gateway_pods.namespace or namespace
+    if _matches(target, guardrails.inference_gateway_namespaces, namespace):
+        return []
+    return [
+        Refusal(
+            "spec.gateway.inferencePool.gatewayPods.namespace",
+            f"namespace {target} is not allowed (allowed: "
+            f"{_listing(guardrails.inference_gateway_namespaces)}, {{namespace}} being {namespace}); the "
+            "pods named there reach the engines' OpenAI port: ask the "
+            "platform team to list the namespace its gateway runs in (guardrails.inferenceGatewayNamespaces)",
+        )
+    ]
+
+
 def check_model_deployment(
     md: ModelDeployment,
     guardrails: Guardrails,
@@ -411,4 +439,5 @@ def check_model_deployment(
             )
     refusals += _check_image("spec.gateway.image", spec.gateway.image, guardrails, images)
     refusals += _check_exposure(md, guardrails, namespace, managed)
+    refusals += _check_inference_pool(md, guardrails, namespace)
     return refusals

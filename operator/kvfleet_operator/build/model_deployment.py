@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.common import GPU_GROUP_LABEL
+from kvfleet_operator.api.modeldeployment import DataPlane
 from kvfleet_operator.api.units import parse_duration, parse_quantity
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
@@ -25,6 +26,11 @@ from kvfleet_operator.build.common import (
     metadata,
     object_labels,
     owner_of,
+)
+from kvfleet_operator.build.endpoint_picker import (
+    build_endpoint_picker,
+    build_inference_pool,
+    gateway_pods_peer,
 )
 from kvfleet_operator.build.engine import (
     ModelFetch,
@@ -48,6 +54,7 @@ from kvfleet_operator.build.gateway import (
 from kvfleet_operator.build.gpu_groups import tolerates_gpu_groups
 from kvfleet_operator.build.monitoring import (
     build_engine_pod_monitor,
+    build_epp_service_monitor,
     build_gateway_service_monitor,
     build_shared_tier_pod_monitor,
 )
@@ -55,6 +62,7 @@ from kvfleet_operator.build.network import (
     MetricsScrapers,
     OperatorPeer,
     build_engine_network_policy,
+    build_epp_network_policy,
     build_gateway_network_policy,
     build_shared_tier_network_policy,
 )
@@ -178,7 +186,11 @@ def _dedicated_workload(
     )
 
 
-def _gateway_workload(md: ModelDeployment, images: OperatorImages) -> GatewayWorkload:
+def _gateway_workload(
+    md: ModelDeployment, images: OperatorImages, inference_pool_served: bool = True
+) -> GatewayWorkload:
+    """``inference_pool_served``: the operator may apply InferencePools and the cluster serves them; when
+    not, ``spec.gateway.inferencePool`` has no effect beyond the condition that says why."""
     spec = md.spec.gateway
     requests = spec.resources.requests
     limits = spec.resources.limits
@@ -195,6 +207,8 @@ def _gateway_workload(md: ModelDeployment, images: OperatorImages) -> GatewayWor
         fair_queuing=spec.fair_queuing,
         engine_in_flight_per_replica=spec.engine_in_flight_per_replica,
         queue_timeout_s=None if spec.queue_timeout is None else parse_duration(spec.queue_timeout),
+        data_plane=spec.data_plane,
+        inference_pool=spec.inference_pool if inference_pool_served else None,
     )
 
 
@@ -246,6 +260,7 @@ def build_desired_children(
     scrapers: MetricsScrapers | None = None,
     operator: OperatorPeer | None = None,
     media_hosts: tuple[str, ...] = (),
+    inference_pool_served: bool = True,
 ) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, dedicated pools, and the
     shared pool's KV tier across replicas when ``spec.kvCache.shared`` enables it.
@@ -255,6 +270,10 @@ def build_desired_children(
     ``operator``: the operator's pods, admitted to the engines' metrics port to read their KV capacity.
     ``media_hosts``: the hosts whose media URLs the gateway lets through and the engines fetch from (the
     chart's ``allowedMediaHosts``; empty: only ``data:`` URLs).
+    ``inference_pool_served``: the operator may manage InferencePools and the cluster serves their API.
+    With ``spec.gateway.inferencePool`` the InferencePools are built either way (the reconcile withholds
+    them and says why, ``reconcile.steps.withhold_exposure``), but only when served does anything route to
+    them or admit the platform gateway's pods; the Endpoint Picker runs for either.
     """
     namespace, name = str(md.metadata["namespace"]), str(md.metadata["name"])
     shared = shared_workload(md, images)
@@ -267,24 +286,41 @@ def build_desired_children(
         workloads = [replace(w, allowed_media_domains=media_hosts) for w in workloads]
     endpoints = {w.pool: PoolEndpoints(tuple(replica_endpoints(w, ENGINE_PORT))) for w in workloads}
     table = build_tenant_table(md, capacity, tenants, decisions, endpoints)
-    gateway = replace(_gateway_workload(md, images), allowed_media_domains=media_hosts)
+    gateway = replace(_gateway_workload(md, images, inference_pool_served), allowed_media_domains=media_hosts)
+    envoy = gateway.data_plane is DataPlane.ENVOY
+    # The platform gateway's pods, admitted to the engines and the EPP only while InferencePools are served.
+    peers = (
+        [gateway_pods_peer(gateway.inference_pool.gateway_pods, namespace)] if gateway.inference_pool else []
+    )
     children: list[Obj] = [
         build_config_map(md, table),
         build_keys_secret(md, keys),
         build_gateway_deployment(gateway),
         build_gateway_service(gateway),
-        build_gateway_metrics_service(gateway),
+        # Envoy serves no metrics: the EPP's are the gateway's (build_epp_service_monitor).
+        *([] if envoy else [build_gateway_metrics_service(gateway)]),
         build_gateway_pdb(gateway),
         build_gateway_network_policy(namespace, name, owner_of(md), scrapers),
         *build_gateway_exposure(gateway),
     ]
+    # The EPP runs for an InferencePool the cluster does not serve yet too: ready when the CRD arrives.
+    runs_epp = gateway.endpoint_picker or md.spec.gateway.inference_pool is not None
+    if runs_epp:
+        children += build_endpoint_picker(gateway)
+        children.append(
+            build_epp_network_policy(
+                namespace, name, owner_of(md), scrapers, own_gateway=envoy, gateway_peers=peers
+            )
+        )
     for w in workloads:
         children += [
             build_engine_statefulset(w),
             build_engine_service(w),
             build_engine_pdb(namespace, name, w.pool, w.owner),
-            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers, operator),
+            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers, operator, peers),
         ]
+        if md.spec.gateway.inference_pool is not None:
+            children.append(build_inference_pool(namespace, name, w.pool, w.owner))
     if size := shared_tier_bytes(md):
         children += [
             build_shared_tier_deployment(
@@ -297,7 +333,8 @@ def build_desired_children(
             children.append(build_shared_tier_pod_monitor(namespace, name, owner_of(md)))
     if monitoring:
         children += [
-            build_gateway_service_monitor(gateway),
+            *([] if envoy else [build_gateway_service_monitor(gateway)]),
+            *([build_epp_service_monitor(gateway)] if runs_epp else []),
             build_engine_pod_monitor(namespace, name, owner_of(md)),
         ]
     return children

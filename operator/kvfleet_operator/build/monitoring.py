@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from kvfleet_operator.build.common import (
     ENGINE_METRICS_PORT_NAME,
+    EPP_COMPONENT,
     LABEL_INSTANCE,
     LABEL_NAME,
     SHARED_TIER_COMPONENT,
     Obj,
     Owner,
+    epp_name,
     gateway_name,
     metadata,
     object_labels,
@@ -30,6 +32,25 @@ def build_gateway_service_monitor(g: GatewayWorkload) -> Obj:
         ),
         "spec": {
             "selector": {"matchLabels": selector_labels(g.model_deployment, "gateway")},
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def build_epp_service_monitor(g: GatewayWorkload) -> Obj:
+    """The Endpoint Picker's ``metrics`` port (the gateway's series: it runs the tenancy), through its
+    Service (``<md>-epp``), whose other port, gRPC, is never scraped."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": metadata(
+            epp_name(g.model_deployment),
+            g.namespace,
+            object_labels(g.model_deployment, EPP_COMPONENT),
+            g.owner,
+        ),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(g.model_deployment, EPP_COMPONENT)},
             "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
         },
     }

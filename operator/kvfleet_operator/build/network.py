@@ -13,12 +13,20 @@ admit what the pod must serve, and nothing else:
 The shared KV tier's pod (``spec.kvCache.shared``, ``build.shared_tier``) has its own policy: its KV port
 from the shared pool's engine pods only, its metrics port from the scrapers.
 
+With ``spec.gateway.inferencePool``, the platform gateway's pods (``spec.gateway.inferencePool.gatewayPods``:
+a namespace by name AND pod labels, allowed by the chart's ``guardrails.inferenceGatewayNamespaces``) are a
+second peer of the engines' OpenAI port, the one thing an InferencePool needs of an engine. The Endpoint
+Picker's pods (``build.endpoint_picker``) admit on their gRPC port (``EPP_PORT``) this ModelDeployment's
+gateway pods (the Envoy data plane) and the platform gateway's pods (an InferencePool), and on their
+metrics port (``EPP_METRICS_PORT``) the scrapers; nothing else.
+
 LMCache's ZMQ and HTTP ports, the sync's metrics and the plugin's debug endpoint are in no rule: they bind
 the pod's loopback (the launcher), which no other pod reaches and NetworkPolicy does not govern.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -26,6 +34,9 @@ from pydantic import Field, model_validator
 from kvfleet_operator.api.common import CrdModel
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
+    EPP_COMPONENT,
+    EPP_METRICS_PORT,
+    EPP_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
     LABEL_SCRAPER,
@@ -37,6 +48,7 @@ from kvfleet_operator.build.common import (
     Obj,
     Owner,
     engine_name,
+    epp_name,
     gateway_name,
     metadata,
     object_labels,
@@ -160,11 +172,15 @@ def build_engine_network_policy(
     owner: Owner,
     scrapers: MetricsScrapers | None = None,
     operator: OperatorPeer | None = None,
+    gateway_peers: Sequence[Obj] = (),
 ) -> Obj:
-    """The pool's engine pods accept the gateway on the inference port, and scrapers (and the operator,
-    when given) on the metrics port; nothing else (see the module docstring)."""
+    """The pool's engine pods accept the gateway (and ``gateway_peers``, the platform gateway's pods of an
+    InferencePool) on the inference port, and scrapers (and the operator, when given) on the metrics port;
+    nothing else (see the module docstring)."""
     scrapers = scrapers or MetricsScrapers()
     readers = [scrapers.peer()] + ([operator.peer()] if operator is not None else [])
+    # No namespaceSelector on the first peer: only pods of the policy's own namespace.
+    callers = [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}, *gateway_peers]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -178,11 +194,7 @@ def build_engine_network_policy(
             "podSelector": {"matchLabels": selector_labels(model_deployment, "engine", pool)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {
-                    # No namespaceSelector: only pods of the policy's own namespace.
-                    "from": [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}],
-                    "ports": _ports(ENGINE_PORT),
-                },
+                {"from": callers, "ports": _ports(ENGINE_PORT)},
                 {"from": readers, "ports": _ports(PLUGIN_METRICS_PORT)},
             ],
         },
@@ -244,5 +256,43 @@ def build_gateway_network_policy(
                 {"ports": _ports(GATEWAY_PORT)},
                 {"from": [scrapers.peer()], "ports": _ports(GATEWAY_METRICS_PORT)},
             ],
+        },
+    }
+
+
+def build_epp_network_policy(
+    namespace: str,
+    model_deployment: str,
+    owner: Owner,
+    scrapers: MetricsScrapers | None = None,
+    *,
+    own_gateway: bool,
+    gateway_peers: Sequence[Obj] = (),
+) -> Obj:
+    """The Endpoint Picker decides who is which tenant and where each request goes: its gRPC port admits
+    this ModelDeployment's gateway pods (``own_gateway``: the Envoy data plane calls it) and
+    ``gateway_peers`` (the platform gateway's pods, for an InferencePool), its metrics port the scrapers.
+    With neither caller the gRPC port has no rule at all (an empty ``from`` would admit everyone)."""
+    scrapers = scrapers or MetricsScrapers()
+    callers = [
+        *(
+            [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}]
+            if own_gateway
+            else []
+        ),
+        *gateway_peers,
+    ]
+    rules: list[Obj] = [{"from": callers, "ports": _ports(EPP_PORT)}] if callers else []
+    rules.append({"from": [scrapers.peer()], "ports": _ports(EPP_METRICS_PORT)})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(
+            epp_name(model_deployment), namespace, object_labels(model_deployment, EPP_COMPONENT), owner
+        ),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(model_deployment, EPP_COMPONENT)},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
         },
     }

@@ -113,8 +113,9 @@ class OperatorConfig:
     gpu_group_owners: Mapping[str, GroupBinding] = field(default_factory=dict)
     #: Who the NetworkPolicies admit to the metrics ports (chart value ``metricsScrapers``).
     metrics_scrapers: MetricsScrapers = field(default_factory=MetricsScrapers)
-    #: The exposure kinds (Ingress, HTTPRoute) the chart lets the operator manage (``rbac.ingress``,
-    #: ``rbac.httpRoute``; ``KVFLEET_EXPOSURE_KINDS``): only these are listed, created and pruned.
+    #: The exposure kinds (Ingress, HTTPRoute, InferencePool) the chart lets the operator manage
+    #: (``rbac.ingress``, ``rbac.httpRoute``, ``rbac.inferencePool``; ``KVFLEET_EXPOSURE_KINDS``): only
+    #: these are listed, created and pruned.
     exposure: tuple[kinds.Kind, ...] = ()
     #: Reads the KV blocks each ready engine pod allocated (``k8s/engine_metrics.py``); ``None``: quotas
     #: are admitted against the planner's estimate only (an operator that cannot reach the pod network).
@@ -394,9 +395,11 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
         c.config.metrics_scrapers,
         c.config.operator_peer,
         c.config.media_hosts,
+        inference_pool_served=kinds.INFERENCE_POOL in c.config.exposure
+        and kinds.INFERENCE_POOL not in c.unserved,
     )
-    # An Ingress or HTTPRoute the operator may not manage or the cluster does not serve is left out (and
-    # said so on the status), never a failed apply that would stop the rest of the reconcile.
+    # An Ingress, HTTPRoute or InferencePool the operator may not manage or the cluster does not serve is
+    # left out (and said so on the status), never a failed apply that would stop the rest of the reconcile.
     c.desired, c.withheld = steps.withhold_exposure(desired, c.config.exposure, c.unserved)
 
 

@@ -42,6 +42,8 @@ PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses")
 HTTP_ROUTE = Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes")
+#: Gateway API Inference Extension: one per engine pool (``spec.gateway.inferencePool``).
+INFERENCE_POOL = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
 #: The operator's leader-election Lease (``k8s/leader.py``), in its own namespace: never a child.
@@ -59,16 +61,19 @@ CHILD_KINDS: tuple[Kind, ...] = (
     STATEFUL_SET,
     INGRESS,
     HTTP_ROUTE,
+    INFERENCE_POOL,
     SERVICE_MONITOR,
     POD_MONITOR,
 )
 #: Children of optional APIs: listed only where the cluster serves them (checked at start-up), never
 #: watched (the periodic reconcile covers them).
 MONITORING_KINDS: tuple[Kind, ...] = (SERVICE_MONITOR, POD_MONITOR)
-#: Children that expose the gateway outside the cluster (``spec.gateway.exposure``): managed only where the
-#: chart grants their rights (``rbac.ingress``, ``rbac.httpRoute``; ``KVFLEET_EXPOSURE_KINDS``), never
-#: watched (the periodic reconcile covers them; the gateway Service they route to is watched).
-EXPOSURE_KINDS: tuple[Kind, ...] = (INGRESS, HTTP_ROUTE)
+#: Children that expose the gateway or the pools outside the ModelDeployment (``spec.gateway.exposure``,
+#: ``spec.gateway.inferencePool``): managed only where the chart grants their rights (``rbac.ingress``,
+#: ``rbac.httpRoute``, ``rbac.inferencePool``; ``KVFLEET_EXPOSURE_KINDS``), left out with a condition where
+#: the cluster does not serve their API, never watched (the periodic reconcile covers them; the Services
+#: they route to are watched).
+EXPOSURE_KINDS: tuple[Kind, ...] = (INGRESS, HTTP_ROUTE, INFERENCE_POOL)
 
 BY_API_KIND: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 
@@ -81,9 +86,9 @@ def kind_of(obj: dict[str, object]) -> Kind:
 
 
 def parse_exposure_kinds(text: str | None) -> tuple[Kind, ...]:
-    """The exposure kinds named in ``KVFLEET_EXPOSURE_KINDS`` (comma-separated ``Ingress``, ``HTTPRoute``;
-    empty or ``None``: none). Raises ``ValueError`` naming an unknown kind: never a right nobody asked for
-    nor a silently ignored one."""
+    """The exposure kinds named in ``KVFLEET_EXPOSURE_KINDS`` (comma-separated ``Ingress``, ``HTTPRoute``,
+    ``InferencePool``; empty or ``None``: none). Raises ``ValueError`` naming an unknown kind: never a right
+    nobody asked for nor a silently ignored one."""
     by_name = {k.kind: k for k in EXPOSURE_KINDS}
     out: list[Kind] = []
     for name in (n.strip() for n in (text or "").split(",")):

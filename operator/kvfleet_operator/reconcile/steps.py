@@ -168,10 +168,22 @@ def child_kinds(monitoring: bool, exposure: Collection[kinds.Kind] = ()) -> list
 _EXPOSURE_SOURCES = {
     kinds.INGRESS: ("spec.gateway.exposure.ingress", "rbac.ingress"),
     kinds.HTTP_ROUTE: ("spec.gateway.exposure.httpRoute", "rbac.httpRoute"),
+    kinds.INFERENCE_POOL: ("spec.gateway.inferencePool", "rbac.inferencePool"),
 }
-
-
+#: What to install where the cluster does not serve a kind.
+_INSTALL = {
+    kinds.INGRESS: "an ingress controller",
+    kinds.HTTP_ROUTE: "the Gateway API CRDs and a Gateway implementation",
+    kinds.INFERENCE_POOL: "the Gateway API Inference Extension's InferencePool CRD (kubectl apply -f "
+    "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/v1.5.0/"
+    "manifests.yaml) and a gateway that supports it",
+}
 _UNTIL = "Until then the gateway is reachable in the cluster only (status.endpoint)."
+#: What holds until a kind is created, where it is not ``_UNTIL``.
+_UNTIL_KIND = {
+    kinds.INFERENCE_POOL: "Until then no InferencePool is created, no NetworkPolicy admits the platform "
+    "gateway's pods, and an HTTPRoute goes to the gateway Service.",
+}
 
 
 def withhold_exposure(
@@ -189,15 +201,16 @@ def withhold_exposure(
             kept.append(obj)
             continue
         field, value = _EXPOSURE_SOURCES[kind]
+        until = _UNTIL_KIND.get(kind, _UNTIL)
         if kind not in managed:
             why[kind.kind] = (
                 f"{field} asks for an {kind.kind}, but this operator may not manage {kind.plural}: "
-                f"install the chart with {value}=true. {_UNTIL}"
+                f"install the chart with {value}=true. {until}"
             )
         else:
             why[kind.kind] = (
                 f"{field} asks for an {kind.kind}, but the cluster does not serve {kind.api_version}: "
-                f"install the Gateway API CRDs and a Gateway implementation. {_UNTIL}"
+                f"install {_INSTALL[kind]}. {until}"
             )
     return kept, why
 
