@@ -6,7 +6,8 @@
 #
 # Output: $KVFLEET_CACHE/bin (default ~/.cache/kvfleet/bin): kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, etcd, kwok, helm; $KVFLEET_CACHE/gateway-api: the Gateway API's standard CRDs
-# (HTTPRoute for the exposure tests); $KVFLEET_CACHE/kwok-stages: kwok's stage configs copied from
+# (HTTPRoute for the exposure tests); $KVFLEET_CACHE/gateway-api-inference-extension: GIE's InferencePool
+# CRD (the InferencePool tests); $KVFLEET_CACHE/kwok-stages: kwok's stage configs copied from
 # its module; prometheus and promtool come from Debian's `prometheus` package (apt).
 #
 # The real node (step `node`, run by hack/provision.d/30-node.sh, not by default): kubelet and kube-proxy
@@ -40,6 +41,9 @@ PROMETHEUS_MODULE_VERSION=v0.316.0
 # The Gateway API release whose standard CRDs (config/crd/standard in its Go module; v1.7 needs Go 1.27) the
 # exposure tests install: they create HTTPRoutes on the real API server with the real CRD's validation.
 GATEWAY_API_VERSION=v1.6.3
+# The Gateway API Inference Extension release whose InferencePool CRD (inference.networking.k8s.io/v1, in its
+# Go module's config/crd/bases) the InferencePool tests install; an exact version (the proxy refuses @latest).
+GIE_VERSION=v1.5.0
 
 FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
@@ -264,6 +268,12 @@ copy_gateway_api_crds() {
   rm -rf "$CACHE/gateway-api" && mkdir -p "$CACHE/gateway-api"
   install -m 0644 "$src"/config/crd/standard/gateway.networking.k8s.io_*.yaml "$CACHE/gateway-api/"
   log "gateway-api: $GATEWAY_API_VERSION standard CRDs in $CACHE/gateway-api"
+  # Part of the same step (no Go build, no stamp): a copy of one file from the module cache, seconds.
+  src=$(module_dir "sigs.k8s.io/gateway-api-inference-extension@$GIE_VERSION")
+  rm -rf "$CACHE/gateway-api-inference-extension" && mkdir -p "$CACHE/gateway-api-inference-extension"
+  install -m 0644 "$src"/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml \
+    "$CACHE/gateway-api-inference-extension/"
+  log "gateway-api: inference extension $GIE_VERSION InferencePool CRD in $CACHE/gateway-api-inference-extension"
 }
 
 build_helm() {

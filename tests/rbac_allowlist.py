@@ -112,7 +112,8 @@ def kopf_grants() -> set[Grant]:
 #: Everything the operator's code and kopf need: in the namespaces it watches, and its Lease.
 NEEDED: frozenset[Grant] = frozenset(code_grants() | kopf_grants())
 MONITORING = {(k.group, k.plural) for k in (kinds.SERVICE_MONITOR, kinds.POD_MONITOR)}
-#: Ingresses and HTTPRoutes: granted only when the chart asks (rbac.ingress, rbac.httpRoute; off by default).
+#: Ingresses, HTTPRoutes and InferencePools: granted only when the chart asks (rbac.ingress, rbac.httpRoute,
+#: rbac.inferencePool; off by default).
 EXPOSURE = {(k.group, k.plural) for k in kinds.EXPOSURE_KINDS}
 #: The one cluster-scoped grant: listing nodes (rbac.readNodes), in its own ClusterRole; a namespaced Role
 #: cannot grant it, so the watched namespaces' Roles are not asked for it.

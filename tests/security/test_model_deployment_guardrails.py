@@ -15,13 +15,14 @@ Defences under test:
   loader/interpreter environment names, envFrom without a safe prefix;
 * the platform's allowlists (chart value ``guardrails``; ``build/guardrails.py``): images, host-path roots,
   vLLM flags beyond the built-in tuning ones, priority classes, Service types and annotations, ingress
-  classes and annotations, hosts and parent Gateways. A ModelDeployment that breaks one gets
-  ``Ready=False``, reason ``GuardrailRefused``, a message naming the field, and the operator writes nothing
-  for it (an existing one keeps its running pods: the upgrade test);
+  classes and annotations, hosts, parent Gateways, and the namespace of an InferencePool's platform
+  gateway pods. A ModelDeployment that breaks one gets ``Ready=False``, reason ``GuardrailRefused``, a
+  message naming the field, and the operator writes nothing for it (an existing one keeps its running
+  pods: the upgrade test);
 * the chart's ValidatingAdmissionPolicy (``templates/model-deployment-rights.yaml``): creating or editing a
-  ModelDeployment's spec needs the right to create pods in the namespace (and Services, Ingresses or
-  HTTPRoutes for the exposure that makes them), checked by the API server for the real user with CEL's
-  ``authorizer`` (the operator never sees who asked).
+  ModelDeployment's spec needs the right to create pods in the namespace (and Services, Ingresses,
+  HTTPRoutes or InferencePools for the exposure that makes them), checked by the API server for the real
+  user with CEL's ``authorizer`` (the operator never sees who asked).
 
 The reconcile runs in process with the default guardrails (``operator_support.CONFIG``), as the kopf
 handlers run it; the ModelDeployments are created as the cluster admin except in the policy tests, which use
@@ -200,6 +201,16 @@ ATTACKS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str, str]] 
             },
         ),
         "spec.gateway.exposure.httpRoute.parentRefs",
+        "operator",
+    ),
+    # The pods named there reach the engines' OpenAI port (no key, the caller's own salt).
+    "inference-pool-opening-the-engines-to-another-namespace": (
+        lambda d: _set(
+            d,
+            "gateway.inferencePool",
+            {"gatewayPods": {"namespace": "infra", "matchLabels": {"app": "anything"}}},
+        ),
+        "spec.gateway.inferencePool.gatewayPods.namespace",
         "operator",
     ),
 }
@@ -457,15 +468,25 @@ def test_a_user_who_may_not_create_pods_may_not_create_a_model_deployment(team: 
             "httproutes",
             id="httproute",
         ),
+        pytest.param(
+            {"inferencePool": {"gatewayPods": {"matchLabels": {"app": "gw"}}}},
+            "inference.networking.k8s.io",
+            "inferencepools",
+            id="inferencepool",
+        ),
     ],
 )
 def test_exposure_needs_the_users_own_right_on_what_it_creates(
     team: Team, exposure: dict[str, Any], group: str, resource: str
 ) -> None:
-    """Attack: a user who may create pods but not Services, Ingresses or HTTPRoutes asks the operator for
-    a load balancer, Service annotations, an Ingress or an HTTPRoute. Refused naming the resource; with the
-    right granted, admitted."""
-    doc = _set(_tiny(team.namespace, f"x-{resource}"), "gateway.exposure", copy.deepcopy(exposure))
+    """Attack: a user who may create pods but not Services, Ingresses, HTTPRoutes or InferencePools asks
+    the operator for a load balancer, Service annotations, an Ingress, an HTTPRoute or an InferencePool.
+    Refused naming the resource; with the right granted, admitted."""
+    doc = _tiny(team.namespace, f"x-{resource}")
+    if "inferencePool" in exposure:
+        doc = _set(doc, "gateway.inferencePool", copy.deepcopy(exposure["inferencePool"]))
+    else:
+        doc = _set(doc, "gateway.exposure", copy.deepcopy(exposure))
     with team.granted("", "pods"):
         _admitted(team, _tiny(team.namespace, "plain"))
         status, body = team.create_md(doc)

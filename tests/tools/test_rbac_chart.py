@@ -47,7 +47,14 @@ SCOPES = {
     "all-namespaces": ("--set", "operator.watchAllNamespaces=true"),
     "no-monitoring": ("--set", "rbac.monitoring=false"),
     "monitoring-api": ("--api-versions", "monitoring.coreos.com/v1"),
-    "exposure": ("--set", "rbac.ingress=true", "--set", "rbac.httpRoute=true"),
+    "exposure": (
+        "--set",
+        "rbac.ingress=true",
+        "--set",
+        "rbac.httpRoute=true",
+        "--set",
+        "rbac.inferencePool=true",
+    ),
 }
 
 
@@ -202,16 +209,22 @@ def test_leader_election_reads_and_renews_its_lease_by_name_only(args: tuple[str
             "HTTPRoute",
             id="route",
         ),
-        pytest.param(SCOPES["exposure"], EXPOSURE, "Ingress,HTTPRoute", id="both"),
+        pytest.param(
+            ("--set", "rbac.inferencePool=true"),
+            {("inference.networking.k8s.io", "inferencepools")},
+            "InferencePool",
+            id="inference-pool",
+        ),
+        pytest.param(SCOPES["exposure"], EXPOSURE, "Ingress,HTTPRoute,InferencePool", id="all"),
     ],
 )
 def test_exposure_rights_only_when_enabled_and_the_operator_is_told(
     args: tuple[str, ...], granted: set[tuple[str, str]], env: str
 ) -> None:
-    """Least privilege: no right on Ingresses or HTTPRoutes unless the chart value asks; the operator
-    learns which it may manage from KVFLEET_EXPOSURE_KINDS (it never lists a kind it has no right to), and
-    nothing watches them (the verbs are get, list, create, patch, delete; get: whose an object of the
-    name is, before any write)."""
+    """Least privilege: no right on Ingresses, HTTPRoutes or InferencePools unless the chart value asks;
+    the operator learns which it may manage from KVFLEET_EXPOSURE_KINDS (it never lists a kind it has no
+    right to), and nothing watches them (the verbs are get, list, create, patch, delete; get: whose an
+    object of the name is, before any write)."""
     docs = _render(*args)
     for role in _roles(docs):
         assert {g[:2] for g in _grants(role)} & EXPOSURE == (

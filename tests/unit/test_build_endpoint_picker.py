@@ -10,6 +10,7 @@ GIE's own CRD in tests/cluster/test_inference_pool.py."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -24,10 +25,11 @@ from kvfleet_operator.build.common import (
     GATEWAY_PORT,
     selector_labels,
 )
-from kvfleet_operator.build.endpoint_picker import EXT_PROC_SERVICE, H2C_APP_PROTOCOL
+from kvfleet_operator.build.endpoint_picker import EXT_PROC_SERVICE, H2C_APP_PROTOCOL, runs_endpoint_picker
 from kvfleet_operator.build.guardrails import Guardrails, check_model_deployment
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile import steps
+from kvfleet_operator.reconcile.status import WorkloadReadiness, front_door_readiness
 
 PLATFORM_PEER = {
     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}},
@@ -376,7 +378,10 @@ def test_inference_pools_the_operator_cannot_create_are_left_out_and_said_why(
 
 def test_the_crd_admits_the_fields_and_refuses_a_bad_label_key() -> None:
     doc = example("modeldeployment-qwen72b.yaml")
-    doc["spec"]["gateway"] = {"dataPlane": "envoy", "inferencePool": {"gatewayPods": GATEWAY_PODS}}
+    doc["spec"]["gateway"] = {
+        "dataPlane": "envoy",
+        "inferencePool": {"gatewayPods": copy.deepcopy(GATEWAY_PODS)},
+    }
     assert admit("ModelDeployment", doc) == []
     doc["spec"]["gateway"]["inferencePool"]["gatewayPods"]["matchLabels"] = {"no spaces": "x"}
     ((_, message),) = admit("ModelDeployment", doc)
@@ -384,3 +389,25 @@ def test_the_crd_admits_the_fields_and_refuses_a_bad_label_key() -> None:
     with pytest.raises(ValueError, match=r"gatewayPods\.matchLabels"):
         model_deployment(inferencePool={"gatewayPods": {"matchLabels": {"no spaces": "x"}}})
     assert model_deployment().spec.gateway.data_plane.value == "kvfleet"
+
+
+def _live(name: str, ready: int) -> dict[str, Any]:
+    return {"kind": "Deployment", "metadata": {"name": name}, "status": {"readyReplicas": ready}}
+
+
+@pytest.mark.parametrize(
+    ("gateway", "ready"),
+    [
+        pytest.param({}, 2, id="kvfleet: the gateway alone"),
+        pytest.param({"dataPlane": "envoy"}, 1, id="envoy: needs its picker"),
+        pytest.param({"inferencePool": {"gatewayPods": GATEWAY_PODS}}, 1, id="inference-pool"),
+    ],
+)
+def test_a_gateway_replica_serves_only_with_a_picker_replica_beside_it(
+    gateway: dict[str, Any], ready: int
+) -> None:
+    """Ready must not say the front door serves while the picker every request goes through is down."""
+    md = model_deployment(**gateway)
+    children = [_live("qwen72b-gateway", 2), _live("qwen72b-epp", 1)]
+    assert front_door_readiness(md, children) == WorkloadReadiness(wanted=2, ready=ready)
+    assert runs_endpoint_picker(md) == (ready == 1)

@@ -19,7 +19,8 @@ cannot ask the EPP refuses the request rather than route it without tenancy.
 
 from __future__ import annotations
 
-from kvfleet_operator.api.modeldeployment import GatewayPods
+from kvfleet_operator.api import ModelDeployment
+from kvfleet_operator.api.modeldeployment import DataPlane, GatewayPods
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     EPP_COMPONENT,
@@ -51,6 +52,12 @@ INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: The EPP Service's gRPC port speaks HTTP/2 without TLS (Kubernetes' standard application protocol name).
 H2C_APP_PROTOCOL = "kubernetes.io/h2c"
+
+
+def runs_endpoint_picker(md: ModelDeployment) -> bool:
+    """Whether ``md`` has an EPP: for the Envoy data plane, or for InferencePools (also while the cluster
+    does not serve them yet: the EPP is ready when the CRD arrives)."""
+    return md.spec.gateway.data_plane is DataPlane.ENVOY or md.spec.gateway.inference_pool is not None
 
 
 def _epp_container(g: GatewayWorkload) -> Obj:

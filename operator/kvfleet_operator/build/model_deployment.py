@@ -31,6 +31,7 @@ from kvfleet_operator.build.endpoint_picker import (
     build_endpoint_picker,
     build_inference_pool,
     gateway_pods_peer,
+    runs_endpoint_picker,
 )
 from kvfleet_operator.build.engine import (
     ModelFetch,
@@ -303,8 +304,7 @@ def build_desired_children(
         build_gateway_network_policy(namespace, name, owner_of(md), scrapers),
         *build_gateway_exposure(gateway),
     ]
-    # The EPP runs for an InferencePool the cluster does not serve yet too: ready when the CRD arrives.
-    runs_epp = gateway.endpoint_picker or md.spec.gateway.inference_pool is not None
+    runs_epp = runs_endpoint_picker(md)
     if runs_epp:
         children += build_endpoint_picker(gateway)
         children.append(

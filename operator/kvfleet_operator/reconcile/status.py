@@ -30,10 +30,12 @@ from kvfleet_operator.api.tenant import ApiKeyFingerprints, ResolvedQuota
 from kvfleet_operator.build.common import (
     SHARED_POOL,
     engine_name,
+    epp_name,
     gateway_name,
     selector_labels,
     shared_tier_name,
 )
+from kvfleet_operator.build.endpoint_picker import runs_endpoint_picker
 from kvfleet_operator.build.keys import KeyResolution, api_key_secret_ref
 from kvfleet_operator.build.shared_tier import shared_tier_bytes
 from kvfleet_operator.build.tenant_table import PoolCapacity, TenantDecision, admitted_terms, requested_terms
@@ -380,6 +382,17 @@ def _live(children: Sequence[Obj], kind: str, name: str) -> Obj | None:
     return next((o for o in children if o["kind"] == kind and o["metadata"]["name"] == name), None)
 
 
+def front_door_readiness(md: ModelDeployment, children: Sequence[Obj]) -> WorkloadReadiness:
+    """The gateway's replicas that serve: with an Endpoint Picker (the Envoy data plane, InferencePools),
+    a gateway replica serves only with a picker replica beside it, so the fewer of the two."""
+    name = str(md.metadata["name"])
+    gateway = readiness_of(_live(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
+    if not runs_endpoint_picker(md):
+        return gateway
+    picker = readiness_of(_live(children, "Deployment", epp_name(name)), md.spec.gateway.replicas)
+    return WorkloadReadiness(wanted=gateway.wanted, ready=min(gateway.ready, picker.ready))
+
+
 def compute_tenant_pool_ready(
     md: ModelDeployment,
     tenant: Tenant,
@@ -389,7 +402,7 @@ def compute_tenant_pool_ready(
     """Whether the pool that serves ``tenant`` is ready: the gateway, and the shared engines or the
     tenant's dedicated engines, from the live children's status."""
     name = str(md.metadata["name"])
-    gateway = readiness_of(_live(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
+    gateway = front_door_readiness(md, children)
     if decision is not None and decision.pool != SHARED_POOL:
         wanted = tenant.spec.dedicated.replicas if tenant.spec.dedicated else 1
         engines = readiness_of(_live(children, "StatefulSet", engine_name(name, decision.pool)), wanted)
@@ -440,7 +453,7 @@ def compute_served_statuses(
     engines = readiness_of(
         _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
     )
-    gateway = readiness_of(_live(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
+    gateway = front_door_readiness(md, children)
     writes = [
         StatusWrite(
             kinds.MODEL_DEPLOYMENT,
