@@ -217,18 +217,24 @@ def test_the_inference_pool_is_accepted_by_gies_crd_and_the_route_goes_to_it(
 
         # Envoy as the data plane: the gateway pods run Envoy, and what the API server stores of them (a
         # tcpSocket probe, no metrics port) converges: a second reconcile writes nothing.
-        _set_gateway(plane, namespace, dataPlane="envoy")
+        # TLS on the picker's port, from a Secret (its CA mounted in the Envoy pods).
+        _set_gateway(plane, namespace, dataPlane="envoy", endpointPicker={"tlsSecretName": "tiny-epp-tls"})
         converge(plane, namespace, MD, config=ALLOWED)
+        epp = _get(plane, kinds.DEPLOYMENT, namespace, f"{MD}-epp")
+        assert epp is not None
+        (picker,) = epp["spec"]["template"]["spec"]["containers"]
+        assert "--tls-cert" in picker["command"] and picker["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
         gateway = _get(plane, kinds.DEPLOYMENT, namespace, f"{MD}-gateway")
         assert gateway is not None
         (envoy,) = gateway["spec"]["template"]["spec"]["containers"]
         assert envoy["command"][:2] == ["kvfleet", "envoy"]
-        assert f"{MD}-epp.{namespace}.svc:9002" in envoy["command"]
+        assert f"{MD}-epp.{namespace}.svc:9002" in envoy["command"] and "--epp-ca" in envoy["command"]
         assert _get(plane, kinds.SERVICE, namespace, f"{MD}-gateway-metrics") is None
 
         # Removed from the spec: the InferencePool, the picker and its policy go with it.
         md = model_deployment(plane, namespace, MD)
         md["spec"]["gateway"]["dataPlane"] = "kvfleet"
+        md["spec"]["gateway"]["endpointPicker"] = {}
         del md["spec"]["gateway"]["inferencePool"]
         status, body = plane.request("PUT", f"{API}/namespaces/{namespace}/modeldeployments/{MD}", md)
         assert status == 200, body

@@ -411,3 +411,56 @@ def test_a_gateway_replica_serves_only_with_a_picker_replica_beside_it(
     children = [_live("qwen72b-gateway", 2), _live("qwen72b-epp", 1)]
     assert front_door_readiness(md, children) == WorkloadReadiness(wanted=2, ready=ready)
     assert runs_endpoint_picker(md) == (ready == 1)
+
+
+# --- TLS on the picker's port ---------------------------------------------------------------------
+
+
+def _volume(workload: dict[str, Any], name: str) -> dict[str, Any] | None:
+    found = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == name]
+    return found[0] if found else None
+
+
+def test_with_a_tls_secret_the_picker_serves_tls_and_envoy_verifies_it_with_the_ca_only() -> None:
+    children = render(
+        dataPlane="envoy",
+        inferencePool={"gatewayPods": GATEWAY_PODS},
+        endpointPicker={"tlsSecretName": "epp-tls"},
+    )
+    epp_deployment = one(children, "Deployment", "qwen72b-epp")
+    epp = container(epp_deployment)
+    assert flag(epp["command"], "--tls-cert") == "/etc/kvfleet/epp-tls/tls.crt"
+    assert flag(epp["command"], "--tls-key") == "/etc/kvfleet/epp-tls/tls.key"
+    assert _volume(epp_deployment, "epp-tls") == {
+        "name": "epp-tls",
+        "secret": {
+            "secretName": "epp-tls",
+            "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+        },
+    }
+    assert {"name": "epp-tls", "mountPath": "/etc/kvfleet/epp-tls", "readOnly": True} in epp["volumeMounts"]
+    # The kubelet's grpc probe speaks no TLS: a TCP probe on the gRPC port instead.
+    assert epp["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert "grpc" not in epp["readinessProbe"] and "grpc" not in epp["livenessProbe"]
+    # No h2c claim on a TLS port.
+    (grpc,) = [p for p in one(children, "Service", "qwen72b-epp")["spec"]["ports"] if p["name"] == "grpc"]
+    assert "appProtocol" not in grpc
+    # Envoy gets the CA it verifies the picker with, and never the picker's key.
+    gateway_deployment = one(children, "Deployment", "qwen72b-gateway")
+    envoy = container(gateway_deployment)
+    assert flag(envoy["command"], "--epp-ca") == "/etc/kvfleet/epp-tls/ca.crt"
+    volume = _volume(gateway_deployment, "epp-tls")
+    assert volume is not None
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+
+
+def test_without_a_tls_secret_nothing_mounts_one() -> None:
+    children = render(dataPlane="envoy", inferencePool={"gatewayPods": GATEWAY_PODS})
+    for name in ("qwen72b-epp", "qwen72b-gateway"):
+        deployment = one(children, "Deployment", name)
+        assert _volume(deployment, "epp-tls") is None
+        command = container(deployment)["command"]
+        assert not {"--tls-cert", "--tls-key", "--epp-ca"} & set(command)
+    # kvfleet's own gateway never mounts the picker's Secret, TLS or not.
+    kvfleet = render(inferencePool={"gatewayPods": GATEWAY_PODS}, endpointPicker={"tlsSecretName": "epp-tls"})
+    assert _volume(one(kvfleet, "Deployment", "qwen72b-gateway"), "epp-tls") is None

@@ -1534,6 +1534,25 @@ class GatewayPods(CrdModel):
         return self
 
 
+class EndpointPickerSpec(CrdModel):
+    """The Endpoint Picker (``<name>-epp``), which runs for dataPlane envoy and for inferencePool."""
+
+    tls_secret_name: Annotated[
+        str | None,
+        Field(
+            max_length=253,
+            pattern=DNS_SUBDOMAIN_PATTERN,
+            description="Secret in this namespace (type kubernetes.io/tls, e.g. cert-manager's) whose "
+            "tls.crt and tls.key the Endpoint Picker serves its gRPC port with: TLS only, a plaintext call "
+            "gets no answer. Its ca.crt is the CA the Envoy data plane verifies the picker with (only that "
+            "key is mounted in the gateway pods). The certificate should name <name>-epp.<namespace>.svc. "
+            "Read at start: a renewed certificate takes effect as the pods restart. Most GIE gateways call "
+            "the picker over TLS (GIE's own picker serves TLS by default). Unset: plaintext gRPC (h2c), "
+            "readiness by gRPC health.",
+        ),
+    ] = None
+
+
 class InferencePoolSpec(CrdModel):
     """An InferencePool (inference.networking.k8s.io/v1) per engine pool, whose endpointPickerRef is this
     ModelDeployment's Endpoint Picker (``<name>-epp``, port 9002): the platform's GIE gateway asks it which
@@ -1630,6 +1649,12 @@ class GatewaySpec(CrdModel):
         description="What the gateway pods run: kvfleet (kvfleet's own gateway) or envoy (Envoy, which asks "
         "this ModelDeployment's Endpoint Picker, <name>-epp, for every request; the tenancy is the same, "
         "applied by the Endpoint Picker, which also serves the gateway's metrics).",
+    )
+    endpoint_picker: EndpointPickerSpec = Field(
+        default_factory=EndpointPickerSpec,
+        description="The Endpoint Picker (<name>-epp) that dataPlane envoy and inferencePool call: TLS on "
+        "its gRPC port.",
+        json_schema_extra={"default": {}},
     )
     inference_pool: InferencePoolSpec | None = Field(
         default=None,

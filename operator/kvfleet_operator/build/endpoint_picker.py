@@ -36,10 +36,13 @@ from kvfleet_operator.build.common import (
     selector_labels,
 )
 from kvfleet_operator.build.gateway import (
+    EPP_TLS_DIR,
     GATEWAY_PRESTOP_SLEEP_S,
     GatewayWorkload,
     build_front_door_deployment,
     build_pdb,
+    epp_tls_mounts,
+    epp_tls_volume,
     front_door_resources,
     gateway_settings_args,
     runtime_config_mounts,
@@ -60,6 +63,23 @@ def runs_endpoint_picker(md: ModelDeployment) -> bool:
     return md.spec.gateway.data_plane is DataPlane.ENVOY or md.spec.gateway.inference_pool is not None
 
 
+def _epp_probes(g: GatewayWorkload) -> Obj:
+    """gRPC health (grpc.health.v1) on the ext_proc port, SERVING once the tenant table is loaded, as the
+    kubelet's grpc probe asks it; that probe speaks no TLS, so with TLS a TCP connection to the port (the
+    server accepts only once it serves)."""
+    if g.epp_tls_secret is not None:
+        check: Obj = {"tcpSocket": {"port": "grpc"}}
+    else:
+        check = {"grpc": {"port": EPP_PORT, "service": EXT_PROC_SERVICE}}
+    return {"readinessProbe": {**check, "periodSeconds": 5}, "livenessProbe": {**check, "periodSeconds": 10}}
+
+
+def _epp_tls_args(g: GatewayWorkload) -> list[str]:
+    if g.epp_tls_secret is None:
+        return []
+    return ["--tls-cert", f"{EPP_TLS_DIR}/tls.crt", "--tls-key", f"{EPP_TLS_DIR}/tls.key"]
+
+
 def _epp_container(g: GatewayWorkload) -> Obj:
     return {
         "name": "epp",
@@ -73,30 +93,37 @@ def _epp_container(g: GatewayWorkload) -> Obj:
             f"0.0.0.0:{EPP_PORT}",
             "--metrics-listen",
             f"0.0.0.0:{EPP_METRICS_PORT}",
+            *_epp_tls_args(g),
         ],
         "ports": [
             {"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": front_door_resources(g),
-        # gRPC health (grpc.health.v1) on the ext_proc port: SERVING once the tenant table is loaded.
-        "readinessProbe": {"grpc": {"port": EPP_PORT, "service": EXT_PROC_SERVICE}, "periodSeconds": 5},
-        "livenessProbe": {"grpc": {"port": EPP_PORT, "service": EXT_PROC_SERVICE}, "periodSeconds": 10},
+        **_epp_probes(g),
         "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
         "securityContext": restricted_container_security(),
-        "volumeMounts": runtime_config_mounts(),
+        "volumeMounts": runtime_config_mounts() + epp_tls_mounts(g),
     }
 
 
 def build_epp_deployment(g: GatewayWorkload) -> Obj:
     """The EPP's pods: ``kvfleet epp`` with the gateway's settings, as many replicas as the gateway (each
     enforces 1/replicas of every tenant's rate limits, like a gateway replica)."""
-    return build_front_door_deployment(g, EPP_COMPONENT, epp_name(g.model_deployment), _epp_container(g))
+    volumes = epp_tls_volume(g, ("tls.crt", "tls.key"))
+    return build_front_door_deployment(
+        g, EPP_COMPONENT, epp_name(g.model_deployment), _epp_container(g), volumes
+    )
 
 
 def build_epp_service(g: GatewayWorkload) -> Obj:
     """``<md>-epp``: the gRPC port an InferencePool's ``endpointPickerRef`` and the Envoy data plane name,
-    and the metrics port the ServiceMonitor scrapes. ClusterIP only: the EPP is never exposed."""
+    and the metrics port the ServiceMonitor scrapes. ClusterIP only: the EPP is never exposed. The gRPC
+    port says ``kubernetes.io/h2c`` (HTTP/2 without TLS) when it is plaintext; with TLS no standard name
+    fits, so none."""
+    grpc: Obj = {"name": "grpc", "port": EPP_PORT, "targetPort": "grpc", "protocol": "TCP"}
+    if g.epp_tls_secret is None:
+        grpc["appProtocol"] = H2C_APP_PROTOCOL
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -110,13 +137,7 @@ def build_epp_service(g: GatewayWorkload) -> Obj:
             "type": "ClusterIP",
             "selector": selector_labels(g.model_deployment, EPP_COMPONENT),
             "ports": [
-                {
-                    "name": "grpc",
-                    "port": EPP_PORT,
-                    "targetPort": "grpc",
-                    "protocol": "TCP",
-                    "appProtocol": H2C_APP_PROTOCOL,
-                },
+                grpc,
                 {"name": "metrics", "port": EPP_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
             ],
         },

@@ -83,6 +83,8 @@ class GatewayWorkload:
     #: right and the cluster serves the CRD); ``None`` otherwise: then nothing routes to an InferencePool
     #: and no NetworkPolicy admits the platform gateway's pods.
     inference_pool: InferencePoolSpec | None = None
+    #: ``spec.gateway.endpointPicker.tlsSecretName``: TLS on the picker's gRPC port; ``None``: plaintext.
+    epp_tls_secret: str | None = None
 
     @property
     def endpoint_picker(self) -> bool:
@@ -166,7 +168,29 @@ def front_door_resources(g: GatewayWorkload) -> Obj:
     }
 
 
-def build_front_door_deployment(g: GatewayWorkload, component: str, name: str, container: Obj) -> Obj:
+#: Where the picker's TLS Secret is mounted: the picker's pods get tls.crt and tls.key, the Envoy gateway's
+#: pods only ca.crt.
+EPP_TLS_DIR = "/etc/kvfleet/epp-tls"
+EPP_TLS_VOLUME = "epp-tls"
+
+
+def epp_tls_volume(g: GatewayWorkload, keys: tuple[str, ...]) -> list[Obj]:
+    """The picker's TLS Secret as a volume holding only ``keys`` (none without TLS)."""
+    if g.epp_tls_secret is None:
+        return []
+    items = [{"key": k, "path": k} for k in keys]
+    return [{"name": EPP_TLS_VOLUME, "secret": {"secretName": g.epp_tls_secret, "items": items}}]
+
+
+def epp_tls_mounts(g: GatewayWorkload) -> list[Obj]:
+    if g.epp_tls_secret is None:
+        return []
+    return [{"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True}]
+
+
+def build_front_door_deployment(
+    g: GatewayWorkload, component: str, name: str, container: Obj, volumes: list[Obj] | None = None
+) -> Obj:
     """A Deployment of ``g.replicas`` pods running ``container`` with the tenant table and keys mounted,
     the ``restricted`` Pod Security level, no service-account token and no service links (the gateway's
     and the Endpoint Picker's: both hold the key hashes and the salt key)."""
@@ -192,6 +216,7 @@ def build_front_door_deployment(g: GatewayWorkload, component: str, name: str, c
                     "volumes": [
                         {"name": "config", "configMap": {"name": config_map_name(g.model_deployment)}},
                         {"name": "keys", "secret": {"secretName": keys_secret_name(g.model_deployment)}},
+                        *(volumes or []),
                     ],
                 },
             },
@@ -253,6 +278,8 @@ def _envoy_container(g: GatewayWorkload) -> Obj:
             epp_address(g),
             "--admin-port",
             str(ENVOY_ADMIN_PORT),
+            # TLS to the picker, verified against the Secret's CA.
+            *(["--epp-ca", f"{EPP_TLS_DIR}/ca.crt"] if g.epp_tls_secret is not None else []),
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "resources": front_door_resources(g),
@@ -260,15 +287,18 @@ def _envoy_container(g: GatewayWorkload) -> Obj:
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10},
         "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
         "securityContext": restricted_container_security(),
-        "volumeMounts": runtime_config_mounts(),
+        "volumeMounts": runtime_config_mounts() + epp_tls_mounts(g),
     }
 
 
 def build_gateway_deployment(g: GatewayWorkload) -> Obj:
     """The gateway pods: kvfleet's gateway (``dataPlane: kvfleet``) or Envoy calling the Endpoint Picker
     (``dataPlane: envoy``); same Deployment, labels and Services either way."""
-    container = _envoy_container(g) if g.data_plane is DataPlane.ENVOY else _gateway_container(g)
-    return build_front_door_deployment(g, "gateway", gateway_name(g.model_deployment), container)
+    if g.data_plane is DataPlane.ENVOY:
+        envoy = _envoy_container(g)
+        volumes = epp_tls_volume(g, ("ca.crt",))  # the CA only: never the picker's key
+        return build_front_door_deployment(g, "gateway", gateway_name(g.model_deployment), envoy, volumes)
+    return build_front_door_deployment(g, "gateway", gateway_name(g.model_deployment), _gateway_container(g))
 
 
 #: The path prefix an Ingress or HTTPRoute sends to the gateway: the OpenAI API, nothing else.

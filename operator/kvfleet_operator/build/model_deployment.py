@@ -210,6 +210,7 @@ def _gateway_workload(
         queue_timeout_s=None if spec.queue_timeout is None else parse_duration(spec.queue_timeout),
         data_plane=spec.data_plane,
         inference_pool=spec.inference_pool if inference_pool_served else None,
+        epp_tls_secret=spec.endpoint_picker.tls_secret_name,
     )
 
 
