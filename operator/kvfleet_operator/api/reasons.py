@@ -117,9 +117,12 @@ ModelDeployment stops nothing). Fix the field, or ask the platform team to allow
 
 EXPOSURE_UNAVAILABLE: Final = "ExposureUnavailable"
 """ModelDeployment (``Degraded``; still serving in the cluster): ``spec.gateway.exposure`` asks for an
-Ingress or an HTTPRoute the operator may not manage (the chart's ``rbac.ingress`` / ``rbac.httpRoute`` is
-off) or the cluster does not serve (no Gateway API CRDs), so it is not created and ``status.endpoint``
-stays the in-cluster URL. Turn the chart value on, or install the Gateway API CRDs, or remove the field."""
+Ingress or an HTTPRoute, or ``spec.gateway.inferencePool`` for InferencePools, that the operator may not
+manage (the chart's ``rbac.ingress`` / ``rbac.httpRoute`` / ``rbac.inferencePool`` is off) or the cluster
+does not serve (no Gateway API CRDs, no InferencePool CRD), so it is not created: ``status.endpoint``
+stays the in-cluster URL, and without InferencePools no NetworkPolicy admits the platform gateway and an
+HTTPRoute goes to the gateway Service. Turn the chart value on, or install the CRDs (the message says
+which), or remove the field."""
 
 INVALID_SPEC: Final = "InvalidSpec"
 """Both kinds: the API server accepted a spec the operator cannot serve (the message names the fields).
