@@ -11,6 +11,7 @@ GIE's own CRD in tests/cluster/test_inference_pool.py."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -30,6 +31,10 @@ from kvfleet_operator.build.guardrails import Guardrails, check_model_deployment
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.reconcile import steps
 from kvfleet_operator.reconcile.status import WorkloadReadiness, front_door_readiness
+from kvfleet_runtime.cli import build_parser
+from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap
+from kvfleet_runtime.gateway.epp_cli import run_envoy, run_epp
+from kvfleet_runtime.gateway.settings import from_flags
 
 PLATFORM_PEER = {
     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}},
@@ -464,3 +469,40 @@ def test_without_a_tls_secret_nothing_mounts_one() -> None:
     # kvfleet's own gateway never mounts the picker's Secret, TLS or not.
     kvfleet = render(inferencePool={"gatewayPods": GATEWAY_PODS}, endpointPicker={"tlsSecretName": "epp-tls"})
     assert _volume(one(kvfleet, "Deployment", "qwen72b-gateway"), "epp-tls") is None
+
+
+# --- the commands as the runtime parses them ----------------------------------------------------------
+
+
+def test_the_rendered_commands_are_what_kvfleet_epp_and_kvfleet_envoy_accept() -> None:
+    """The operator writes the flags, the runtime reads them: both commands parse with the real ``kvfleet``
+    parser, to the ports, the picker's address, TLS files and settings the pods need; and the Envoy
+    configuration renders from the Envoy pods' own command (``kvfleet envoy --print-config``'s path)."""
+    children = render(
+        dataPlane="envoy",
+        inferencePool={"gatewayPods": GATEWAY_PODS},
+        endpointPicker={"tlsSecretName": "epp-tls"},
+        queueTimeout="20s",
+    )
+    parser = build_parser()
+    epp = parser.parse_args(container(one(children, "Deployment", "qwen72b-epp"))["command"][1:])
+    assert epp.func is run_epp
+    assert (epp.listen, epp.metrics_listen) == (("0.0.0.0", EPP_PORT), ("0.0.0.0", EPP_METRICS_PORT))
+    assert (str(epp.tls_cert), str(epp.tls_key)) == (
+        "/etc/kvfleet/epp-tls/tls.crt",
+        "/etc/kvfleet/epp-tls/tls.key",
+    )
+    envoy = parser.parse_args(container(one(children, "Deployment", "qwen72b-gateway"))["command"][1:])
+    assert envoy.func is run_envoy
+    assert envoy.epp == (f"qwen72b-epp.{NS}.svc", EPP_PORT)
+    assert envoy.listen == ("0.0.0.0", GATEWAY_PORT)
+    assert envoy.admin_port == ENVOY_ADMIN_PORT
+    assert str(envoy.epp_ca) == "/etc/kvfleet/epp-tls/ca.crt"
+    settings = from_flags(envoy)
+    assert settings == from_flags(epp)  # one set of settings for both halves of the front door
+    assert settings.max_queue_wait_s == 20
+    assert str(settings.config_path) == "/etc/kvfleet/config/tenants.json"
+    config = bootstrap(
+        settings, EnvoyPorts("0.0.0.0", GATEWAY_PORT, ENVOY_ADMIN_PORT, *envoy.epp), envoy.epp_ca
+    )
+    assert f"qwen72b-epp.{NS}.svc" in json.dumps(config)
