@@ -407,3 +407,22 @@ async def running_front_door(settings: GatewaySettings, kind: str, workdir: Path
     else:
         async with running_gateway(settings) as (url, gateway):
             yield FrontDoor(url, gateway.pipeline, gateway.metrics_url, gateway)
+
+
+@contextlib.asynccontextmanager
+async def process(log_path: Path, *command: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``command`` as a process (its output in ``log_path``) until the block ends, then SIGTERM (SIGKILL
+    after 15 s)."""
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

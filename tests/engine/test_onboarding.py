@@ -54,6 +54,9 @@ from operator_support import (
 )
 
 PAGE = REPO / "docs/onboarding.md"
+#: The heading of the page's step 7 (behind the platform's own gateway), which
+#: tests/loopback/test_inference_gateway_doc.py runs.
+INFERENCE_GATEWAY_STEP = "## 7. Behind your platform's own inference gateway"
 #: The page's placeholders (its first block), replaced with the test's own.
 SETTINGS = "NS=llm MD=chat TENANT=acme"
 MD = "tiny"
@@ -62,8 +65,9 @@ SCRIPT_TIMEOUT = 240
 
 
 def page_blocks() -> list[tuple[str, str]]:
-    """(language, text) of every fenced block of the page, in order."""
-    return re.findall(r"```(bash|python)\n(.*?)```", PAGE.read_text(), re.DOTALL)
+    """(language, text) of every fenced block of steps 1 to 6 of the page, in order."""
+    steps = PAGE.read_text().split(INFERENCE_GATEWAY_STEP, 1)[0]  # step 7 has its own test
+    return re.findall(r"```(bash|python)\n(.*?)```", steps, re.DOTALL)
 
 
 def wait_for(check: Any, *, timeout: float, what: str) -> None:

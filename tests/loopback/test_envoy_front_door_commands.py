@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -17,26 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from factories import free_port
-from gateway_support import MODEL, TenantRow, build_keys, build_table, fake_engines, write_config
+from gateway_support import MODEL, TenantRow, build_keys, build_table, fake_engines, process, write_config
 from kvfleet_runtime.gateway import metrics as m
 from kvfleet_runtime.gateway.epp import SERVICE_NAME
-
-
-@contextlib.asynccontextmanager
-async def process(log_path: Path, *command: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 async def _until_ok(
