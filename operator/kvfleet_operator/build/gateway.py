@@ -133,16 +133,15 @@ def gateway_media_args(g: GatewayWorkload) -> list[str]:
     return ["--allowed-media-domains", ",".join(g.allowed_media_domains)] if g.allowed_media_domains else []
 
 
-def gateway_settings_args(g: GatewayWorkload) -> list[str]:
-    """The gateway settings every front door of ``g`` runs with (``kvfleet gateway``, ``kvfleet epp``,
-    ``kvfleet envoy`` take the same flags): the tenant table and keys as mounted, the replica count
-    (each replica enforces 1/replicas of every tenant's rate limits), the drain time, and what the spec
-    and the chart set."""
+def runtime_config_args() -> list[str]:
+    """Where every front door reads the tenant table and the key file (``runtime_config_mounts``)."""
+    return ["--config", f"{CONFIG_DIR}/{TENANT_TABLE_KEY}", "--keys", f"{KEYS_DIR}/{KEY_FILE_KEY}"]
+
+
+def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
+    """The replica count (each replica enforces 1/replicas of every tenant's rate limits), the drain time,
+    and what the spec and the chart set."""
     return [
-        "--config",
-        f"{CONFIG_DIR}/{TENANT_TABLE_KEY}",
-        "--keys",
-        f"{KEYS_DIR}/{KEY_FILE_KEY}",
         "--replicas",
         str(g.replicas),
         "--drain-timeout",
@@ -151,6 +150,12 @@ def gateway_settings_args(g: GatewayWorkload) -> list[str]:
         *gateway_connection_args(g),
         *gateway_media_args(g),
     ]
+
+
+def gateway_settings_args(g: GatewayWorkload) -> list[str]:
+    """The gateway settings every front door of ``g`` runs with (``kvfleet gateway``, ``kvfleet epp``,
+    ``kvfleet envoy`` take the same flags)."""
+    return [*runtime_config_args(), *gateway_tuning_args(g)]
 
 
 def runtime_config_mounts() -> list[Obj]:
@@ -234,14 +239,16 @@ def _gateway_container(g: GatewayWorkload) -> Obj:
         "name": "gateway",
         "image": g.image,
         "imagePullPolicy": "IfNotPresent",
+        # In the order of the releases before the Envoy data plane: the same pod template, no rollout.
         "command": [
             "kvfleet",
             "gateway",
-            *gateway_settings_args(g),
+            *runtime_config_args(),
             "--listen",
             f"0.0.0.0:{GATEWAY_PORT}",
             "--metrics-listen",
             f"0.0.0.0:{GATEWAY_METRICS_PORT}",
+            *gateway_tuning_args(g),
         ],
         "ports": [
             {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
