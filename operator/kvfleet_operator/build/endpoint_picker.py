@@ -6,7 +6,7 @@ the gateway's request pipeline: a GIE gateway (the platform's, through an Infere
 ``endpointPickerRef``) or kvfleet's own Envoy (``spec.gateway.dataPlane: envoy``) asks it, for each
 request, which engine serves it; it authenticates the tenant, applies its limits, salts and prioritises the
 request, queues it fairly and picks the replica. It runs whenever one of the two needs it
-(``GatewayWorkload.endpoint_picker``), with the gateway's replicas, settings, mounts and pod security.
+(``runs_endpoint_picker``), with the gateway's replicas, settings, mounts and pod security.
 
 Ports: gRPC (``EPP_PORT``, ext_proc and gRPC health) and Prometheus (``EPP_METRICS_PORT``, the same
 series as the gateway's, which it replaces for the Envoy data plane). Who reaches them is
@@ -157,7 +157,7 @@ def build_epp_pdb(g: GatewayWorkload) -> Obj:
 
 def build_endpoint_picker(g: GatewayWorkload) -> list[Obj]:
     """The EPP's Deployment, Service and PodDisruptionBudget (the caller decides whether one runs:
-    ``GatewayWorkload.endpoint_picker``, or an InferencePool asked for)."""
+    ``runs_endpoint_picker``)."""
     return [build_epp_deployment(g), build_epp_service(g), build_epp_pdb(g)]
 
 

@@ -86,11 +86,6 @@ class GatewayWorkload:
     #: ``spec.gateway.endpointPicker.tlsSecretName``: TLS on the picker's gRPC port; ``None``: plaintext.
     epp_tls_secret: str | None = None
 
-    @property
-    def endpoint_picker(self) -> bool:
-        """Whether this ModelDeployment runs an Endpoint Picker: for Envoy, or for an InferencePool."""
-        return self.data_plane is DataPlane.ENVOY or self.inference_pool is not None
-
 
 def gateway_engine_in_flight(engine_in_flight_per_replica: int, gateway_replicas: int) -> int:
     """What one gateway replica may give one engine replica at once (its ``--engine-in-flight-per-replica``):
