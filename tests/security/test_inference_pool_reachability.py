@@ -157,6 +157,18 @@ def test_this_model_deployments_gateway_reaches_the_picker_only_when_it_runs_env
 
 
 @pytest.mark.parametrize("rendering", sorted(RENDERINGS))
+def test_the_picker_reaches_each_engines_openai_port_for_its_health_checks_and_nothing_else(
+    rendering: str,
+) -> None:
+    """The picker checks every replica's ``/health`` on vLLM's port (a picker that cannot would find no
+    healthy replica and refuse every request); it reaches no metrics, LMCache or debug port."""
+    r = RENDERINGS[rendering]
+    assert r.epp is not None
+    for engine in r.engines.values():
+        assert r.ports(r.epp, engine) == {ENGINE_PORT}
+
+
+@pytest.mark.parametrize("rendering", sorted(RENDERINGS))
 def test_the_pickers_metrics_are_for_the_scrapers_only(rendering: str) -> None:
     r = RENDERINGS[rendering]
     assert r.epp is not None

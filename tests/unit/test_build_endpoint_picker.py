@@ -24,6 +24,7 @@ from kvfleet_operator.build.common import (
     EPP_METRICS_PORT,
     EPP_PORT,
     GATEWAY_PORT,
+    PLUGIN_METRICS_PORT,
     selector_labels,
 )
 from kvfleet_operator.build.endpoint_picker import EXT_PROC_SERVICE, H2C_APP_PROTOCOL, runs_endpoint_picker
@@ -40,6 +41,7 @@ PLATFORM_PEER = {
     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}},
     "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "edge"}},
 }
+EPP_PODS = {"podSelector": {"matchLabels": selector_labels("qwen72b", "epp")}}
 ROUTE = {"parentRefs": [{"name": "edge", "namespace": "gateways"}], "hostnames": ["llm.example.com"]}
 
 
@@ -290,7 +292,8 @@ def test_the_platform_gateway_is_admitted_to_the_engines_api_port_and_the_picker
     own_gateway = {"podSelector": {"matchLabels": selector_labels("qwen72b", "gateway")}}
     for name in (SHARED, BANK):
         policy = one(children, "NetworkPolicy", name)
-        assert _from(policy, ENGINE_PORT) == [own_gateway, PLATFORM_PEER]
+        # The picker too: it checks each replica's /health on that port.
+        assert _from(policy, ENGINE_PORT) == [own_gateway, EPP_PODS, PLATFORM_PEER]
         assert PLATFORM_PEER not in [
             p
             for r in policy["spec"]["ingress"]
@@ -314,9 +317,12 @@ def test_with_envoy_only_this_model_deployments_gateway_reaches_the_picker() -> 
     children = render(dataPlane="envoy")
     epp = one(children, "NetworkPolicy", "qwen72b-epp")
     assert _from(epp, EPP_PORT) == [{"podSelector": {"matchLabels": selector_labels("qwen72b", "gateway")}}]
-    # Nothing new on the engines.
+    # Nothing new on the engines but the picker's health checks on the OpenAI port.
     for name in (SHARED, BANK):
-        assert one(children, "NetworkPolicy", name) == one(render(), "NetworkPolicy", name)
+        policy, before = one(children, "NetworkPolicy", name), one(render(), "NetworkPolicy", name)
+        assert _from(policy, ENGINE_PORT) == [*_from(before, ENGINE_PORT), EPP_PODS]
+        assert _from(policy, PLUGIN_METRICS_PORT) == _from(before, PLUGIN_METRICS_PORT)
+        assert len(policy["spec"]["ingress"]) == len(before["spec"]["ingress"])
 
 
 def test_the_gateway_pods_default_to_the_model_deployments_namespace() -> None:

@@ -66,6 +66,7 @@ from kvfleet_operator.build.network import (
     build_epp_network_policy,
     build_gateway_network_policy,
     build_shared_tier_network_policy,
+    epp_pods_peer,
 )
 from kvfleet_operator.build.shared_tier import (
     build_shared_tier_deployment,
@@ -306,6 +307,9 @@ def build_desired_children(
         *build_gateway_exposure(gateway),
     ]
     runs_epp = runs_endpoint_picker(md)
+    # Who calls the engines' OpenAI port besides the gateway: the picker (its health checks) and the
+    # platform gateway.
+    engine_callers = [*([epp_pods_peer(name)] if runs_epp else []), *peers]
     if runs_epp:
         children += build_endpoint_picker(gateway)
         children.append(
@@ -318,7 +322,7 @@ def build_desired_children(
             build_engine_statefulset(w),
             build_engine_service(w),
             build_engine_pdb(namespace, name, w.pool, w.owner),
-            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers, operator, peers),
+            build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers, operator, engine_callers),
         ]
         if md.spec.gateway.inference_pool is not None:
             children.append(build_inference_pool(namespace, name, w.pool, w.owner))

@@ -13,12 +13,14 @@ admit what the pod must serve, and nothing else:
 The shared KV tier's pod (``spec.kvCache.shared``, ``build.shared_tier``) has its own policy: its KV port
 from the shared pool's engine pods only, its metrics port from the scrapers.
 
-With ``spec.gateway.inferencePool``, the platform gateway's pods (``spec.gateway.inferencePool.gatewayPods``:
-a namespace by name AND pod labels, allowed by the chart's ``guardrails.inferenceGatewayNamespaces``) are a
-second peer of the engines' OpenAI port, the one thing an InferencePool needs of an engine. The Endpoint
-Picker's pods (``build.endpoint_picker``) admit on their gRPC port (``EPP_PORT``) this ModelDeployment's
-gateway pods (the Envoy data plane) and the platform gateway's pods (an InferencePool), and on their
-metrics port (``EPP_METRICS_PORT``) the scrapers; nothing else.
+Where the ModelDeployment runs an Endpoint Picker (``build.endpoint_picker``), its pods are a peer of the
+engines' OpenAI port too: the picker checks each replica's ``/health`` there, as the gateway does (it
+forwards nothing itself). With ``spec.gateway.inferencePool``, the platform gateway's pods
+(``spec.gateway.inferencePool.gatewayPods``: a namespace by name AND pod labels, allowed by the chart's
+``guardrails.inferenceGatewayNamespaces``) are another, the one thing an InferencePool needs of an engine.
+The picker's own pods admit on their gRPC port (``EPP_PORT``) this ModelDeployment's gateway pods (the
+Envoy data plane) and the platform gateway's pods (an InferencePool), and on their metrics port
+(``EPP_METRICS_PORT``) the scrapers; nothing else.
 
 LMCache's ZMQ and HTTP ports, the sync's metrics and the plugin's debug endpoint are in no rule: they bind
 the pod's loopback (the launcher), which no other pod reaches and NetworkPolicy does not govern.
@@ -172,15 +174,15 @@ def build_engine_network_policy(
     owner: Owner,
     scrapers: MetricsScrapers | None = None,
     operator: OperatorPeer | None = None,
-    gateway_peers: Sequence[Obj] = (),
+    callers: Sequence[Obj] = (),
 ) -> Obj:
-    """The pool's engine pods accept the gateway (and ``gateway_peers``, the platform gateway's pods of an
-    InferencePool) on the inference port, and scrapers (and the operator, when given) on the metrics port;
-    nothing else (see the module docstring)."""
+    """The pool's engine pods accept the gateway (and ``callers``: the Endpoint Picker's pods,
+    :func:`epp_pods_peer`, and the platform gateway's of an InferencePool) on the inference port, and
+    scrapers (and the operator, when given) on the metrics port; nothing else (see the module docstring)."""
     scrapers = scrapers or MetricsScrapers()
     readers = [scrapers.peer()] + ([operator.peer()] if operator is not None else [])
     # No namespaceSelector on the first peer: only pods of the policy's own namespace.
-    callers = [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}, *gateway_peers]
+    inference = [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}, *callers]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -194,7 +196,7 @@ def build_engine_network_policy(
             "podSelector": {"matchLabels": selector_labels(model_deployment, "engine", pool)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": callers, "ports": _ports(ENGINE_PORT)},
+                {"from": inference, "ports": _ports(ENGINE_PORT)},
                 {"from": readers, "ports": _ports(PLUGIN_METRICS_PORT)},
             ],
         },
@@ -258,6 +260,12 @@ def build_gateway_network_policy(
             ],
         },
     }
+
+
+def epp_pods_peer(model_deployment: str) -> Obj:
+    """This ModelDeployment's Endpoint Picker pods, in the policy's own namespace: they health-check the
+    engines on the OpenAI port."""
+    return {"podSelector": {"matchLabels": selector_labels(model_deployment, EPP_COMPONENT)}}
 
 
 def build_epp_network_policy(
