@@ -123,3 +123,42 @@ def test_a_forged_key_file_is_restored(api_cluster: ControlPlane, namespace: str
     result, _ = reconcile(api_cluster, namespace, "qwen72b")
     assert result.applied == [f"apply Secret {namespace}/qwen72b-keys"]
     assert get(api_cluster, path)["data"]["keys.json"] == before
+
+
+@pytest.fixture(scope="module")
+def picker_namespace(api_cluster: ControlPlane) -> Iterator[str]:
+    """The CPU example with Envoy as its data plane, an InferencePool asked for (withheld: the default
+    configuration manages none) and TLS on the picker's port: the Endpoint Picker's and Envoy's pods,
+    converged."""
+    with scratch_namespace(api_cluster, "drift-epp", crds=True) as ns:
+        md = load_example("local/modeldeployment-tiny.yaml", ns)
+        md["spec"].setdefault("gateway", {}).update(
+            dataPlane="envoy",
+            inferencePool={"gatewayPods": {"matchLabels": {"app": "edge"}}},
+            endpointPicker={"tlsSecretName": "tiny-epp-tls"},
+        )
+        create(api_cluster, md)
+        converge(api_cluster, ns, "tiny")
+        yield ns
+
+
+@pytest.mark.parametrize(
+    ("pointer", "value"), SECURITY_FIELDS, ids=[p.split("spec/")[-1] for p, _ in SECURITY_FIELDS]
+)
+@pytest.mark.parametrize("name", ["tiny-epp", "tiny-gateway"])
+def test_the_pickers_and_envoys_security_fields_come_back_after_one_reconcile(
+    api_cluster: ControlPlane, picker_namespace: str, name: str, pointer: str, value: Any
+) -> None:
+    """The same threat on the second front door: the Endpoint Picker holds the key hashes and the salt
+    key; Envoy's pods hold the picker's CA."""
+    plane, namespace = api_cluster, picker_namespace
+    path = f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}"
+    assert _at(get(plane, path), pointer) == value
+    status, body = plane.request(
+        "PATCH", path, [{"op": "remove", "path": pointer}], content_type="application/json-patch+json"
+    )
+    assert status == 200, body
+    result, _ = reconcile(plane, namespace, "tiny")
+    assert result.applied == [f"apply Deployment {namespace}/{name}"]
+    assert _at(get(plane, path), pointer) == value
+    converge(plane, namespace, "tiny")
