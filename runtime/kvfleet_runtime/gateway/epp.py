@@ -219,6 +219,10 @@ class _Exchange:
     done_event: bool = False
     last_chunk_at: float | None = None
     finished: bool = False
+    #: Who the answer is counted for (``responses_total``), once the key is known; and whether the path is
+    #: the API's (``/v1/``), the only answers the aiohttp door counts there too.
+    tenant: str = m.UNAUTHENTICATED
+    api: bool = False
 
 
 class EndpointPicker:
@@ -302,8 +306,11 @@ class EndpointPicker:
         exchange.headers = headers
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "")
+        exchange.api = path.startswith("/v1/")
         tenant = pipeline.authenticate(headers.get("authorization"))  # stage 1 (refusals counted)
+        exchange.tenant = tenant.name
         if path == "/v1/models" and method == "GET":
+            self._answered(exchange, 200)
             return [self._models(tenant)]
         endpoint = _ENDPOINTS.get(path)
         if endpoint is None or method != "POST":
@@ -441,6 +448,7 @@ class EndpointPicker:
         headers = _headers_of(message)
         status = int(headers.get(":status", "0") or 0)
         exchange.status = status
+        self._answered(exchange, status)
         admitted = exchange.admitted
         set_headers: list[base_pb2.HeaderValueOption] = []
         if admitted is not None:
@@ -592,7 +600,13 @@ class EndpointPicker:
             # Refusals of the stages that do not count their own (body bounds, the request's shape).
             self.pipeline.refused(refusal, opened.tenant, m.UNKNOWN_MODEL)
         extra = opened.gate.rate_limit_headers() if opened is not None else None
+        self._answered(exchange, refusal.kind.status)
         return immediate(refusal, extra)
+
+    def _answered(self, exchange: _Exchange, status: int) -> None:
+        """Count one answer by tenant and status (metering), as the aiohttp door does for ``/v1/``."""
+        if exchange.api:
+            self.pipeline.metrics.count_response(exchange.tenant, status)
 
     def _models(self, tenant: Any) -> ext_proc.ProcessingResponse:
         data = [
