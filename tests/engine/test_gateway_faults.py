@@ -529,14 +529,15 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
             stream(http, gw.url, cfg.keys["acme"], "a long answer please", 1800, first_events=started)
         )
         await asyncio.wait_for(started.wait(), 60)
-        # The engine that serves the stream: vLLM's running gauge can lag the first events by a step on a
-        # loaded machine, so ask again for a moment (the stream runs for 1,800 tokens).
+        # The engine that serves the stream: vLLM's running gauge can lag the first events on a loaded
+        # machine (5 s was once not enough beside the other worker's engine tests), so ask again for up to
+        # 30 s (the stream runs for 1,800 tokens, far longer).
         serving: list[VllmServer] = []
-        for _ in range(100):
+        deadline = time.monotonic() + 30
+        while not serving and time.monotonic() < deadline:
             serving = [e for e in pair if running_count(e) > 0]
-            if serving:
-                break
-            await asyncio.sleep(0.05)
+            if not serving:
+                await asyncio.sleep(0.1)
         (victim,) = serving
         (survivor,) = [e for e in pair if e is not victim]
         signal_group(victim, signal.SIGKILL)
