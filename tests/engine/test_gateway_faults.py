@@ -131,10 +131,6 @@ def success_count(engine: VllmServer) -> float:
     return engine.metric_value("vllm:request_success_total")
 
 
-def running_count(engine: VllmServer) -> float:
-    return engine.metric_value("vllm:num_requests_running")
-
-
 def signal_group(engine: VllmServer | LMCacheServer, sig: signal.Signals) -> None:
     """Send ``sig`` to the server's whole process group (vLLM's API server and its engine core)."""
     os.killpg(engine.process.proc.pid, sig)
@@ -523,22 +519,26 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
         gateway_process(tmp_path, cfg.path, cfg.keys_path, *gateway_flags()) as gw,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
     ):
-        before = [success_count(e) for e in pair]
-        started = asyncio.Event()
-        task = asyncio.create_task(
-            stream(http, gw.url, cfg.keys["acme"], "a long answer please", 1800, first_events=started)
-        )
-        await asyncio.wait_for(started.wait(), 60)
-        # The engine that serves the stream: vLLM's running gauge can lag the first events on a loaded
-        # machine (5 s was once not enough beside the other worker's engine tests), so ask again for up to
-        # 30 s (the stream runs for 1,800 tokens, far longer).
+        # Which engine will serve the stream, found before it starts: the gateway routes a prompt to the
+        # same replica every time (prefix affinity, both healthy, nothing in flight), so a short request
+        # with the stream's prompt lands there, and a finished request's counter is exact. (Reading vLLM's
+        # running gauge during the stream failed twice in warm CI runs: the 1,800 tokens took 2.5 s, and
+        # the gauge had not shown the stream before it ended.)
+        prompt = "a long answer please"
+        probed = [success_count(e) for e in pair]
+        status, body, _ = await complete(http, gw.url, cfg.keys["acme"], prompt)
+        assert status == 200, body
         serving: list[VllmServer] = []
         deadline = time.monotonic() + 30
         while not serving and time.monotonic() < deadline:
-            serving = [e for e in pair if running_count(e) > 0]
+            serving = [e for e, was in zip(pair, probed, strict=True) if success_count(e) > was]
             if not serving:
                 await asyncio.sleep(0.1)
         (victim,) = serving
+        before = [success_count(e) for e in pair]
+        started = asyncio.Event()
+        task = asyncio.create_task(stream(http, gw.url, cfg.keys["acme"], prompt, 1800, first_events=started))
+        await asyncio.wait_for(started.wait(), 60)
         (survivor,) = [e for e in pair if e is not victim]
         signal_group(victim, signal.SIGKILL)
         killed_at = time.monotonic()
