@@ -397,62 +397,48 @@ def _max_rate(r: Results, proxy: str) -> str:
     return f"{below} ({fig.note or 'none of the swept rates'})"
 
 
-def render_gateway(f: Files, name: str) -> str:
+def render_gateway(f: Files, name: str, label: str = "proxy") -> str:
+    """Per proxy: added latency at the fixed rate, its own CPU per request where the run measured it
+    (``bench.py`` since the second front door), and the highest rate under the added-p99 bound."""
     r = f[name]
     rate, repeats = detail_float(r, "rate"), detail_int(r, "repeats")
     bound = detail_float(r, "max_p99_overhead_ms")
+    rows_of = {p: text for p, text in _gateway_rows(r).items() if f"{p}.added_p50" in r.figures}
+    cpu = any(f"{p}.cpu_per_request" in r.figures for p in rows_of)
     header = [
-        "proxy",
+        label,
         f"added p50 at {rate:g} req/s (ms), median [min\u2013max] of {repeats}",
         f"added p99 at {rate:g} req/s (ms)",
+        *(["CPU per request (ms)"] if cpu else []),
         f"max rate at added p99 \u2264 {bound:g} ms (req/s)",
     ]
-    rows = [
-        [
-            label,
-            with_note(spread(r.figure(f"{p}.added_p50"), ms2), r.figure(f"{p}.added_p50")),
-            with_note(spread(r.figure(f"{p}.added_p99"), sig3), r.figure(f"{p}.added_p99")),
-            _max_rate(r, p),
-        ]
-        for p, label in _gateway_rows(r).items()
-        if f"{p}.added_p50" in r.figures
-    ]
+    rows = []
+    for p, text in rows_of.items():
+        cpu_cell = (
+            [
+                spread(r.figure(f"{p}.cpu_per_request"), ms2)
+                if f"{p}.cpu_per_request" in r.figures
+                else "not ours"
+            ]
+            if cpu
+            else []
+        )
+        rows.append(
+            [
+                text,
+                with_note(spread(r.figure(f"{p}.added_p50"), ms2), r.figure(f"{p}.added_p50")),
+                with_note(spread(r.figure(f"{p}.added_p99"), sig3), r.figure(f"{p}.added_p99")),
+                *cpu_cell,
+                _max_rate(r, p),
+            ]
+        )
     text = table(header, rows)
-    if "direct.p50" in r.figures and "direct.p99" in r.figures:
+    if not cpu and "direct.p50" in r.figures and "direct.p99" in r.figures:
         text += (
             f"\n\nDirect to the fake upstream: p50 {num(median(r.figures['direct.p50']), 2)} ms, "
             f"p99 {num(median(r.figures['direct.p99']), 2)} ms."
         )
     return text
-
-
-def render_front_doors(f: Files, name: str) -> str:
-    """kvfleet's two front doors (and the peers measured in the same run): added latency at the fixed
-    rate, the proxy's own CPU per request, and the highest rate under the added-p99 bound."""
-    r = f[name]
-    rate, repeats = detail_float(r, "rate"), detail_int(r, "repeats")
-    bound = detail_float(r, "max_p99_overhead_ms")
-    header = [
-        "front door",
-        f"added p50 at {rate:g} req/s (ms), median [min\u2013max] of {repeats}",
-        f"added p99 at {rate:g} req/s (ms)",
-        "CPU per request (ms)",
-        f"max rate at added p99 \u2264 {bound:g} ms (req/s)",
-    ]
-    rows = [
-        [
-            label,
-            with_note(spread(r.figure(f"{p}.added_p50"), ms2), r.figure(f"{p}.added_p50")),
-            with_note(spread(r.figure(f"{p}.added_p99"), sig3), r.figure(f"{p}.added_p99")),
-            spread(r.figure(f"{p}.cpu_per_request"), ms2)
-            if f"{p}.cpu_per_request" in r.figures
-            else "not ours",
-            _max_rate(r, p),
-        ]
-        for p, label in _gateway_rows(r).items()
-        if f"{p}.added_p50" in r.figures
-    ]
-    return table(header, rows)
 
 
 FAILED_TRY = " \u2717"
@@ -953,7 +939,7 @@ BLOCKS: dict[str, Block] = {
     "gateway": Block(("gateway",), lambda f: render_gateway(f, "gateway")),
     "gateway_ttft": Block(("gateway_ttft",), render_gateway_ttft),
     "gateway_front_doors": Block(
-        ("gateway_front_doors",), lambda f: render_front_doors(f, "gateway_front_doors")
+        ("gateway_front_doors",), lambda f: render_gateway(f, "gateway_front_doors", "front door")
     ),
     "gateway_knee": Block(("gateway_knee",), lambda f: render_gateway(f, "gateway_knee")),
     "gateway_knee_sweep": Block(("gateway_knee",), lambda f: render_gateway_sweep(f, "gateway_knee")),

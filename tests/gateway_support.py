@@ -301,6 +301,25 @@ class GatewayProcess:
 
 
 @contextlib.asynccontextmanager
+async def process(log_path: Path, *command: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``command`` as a process (its output in ``log_path``) until the block ends, then SIGTERM (SIGKILL
+    after 15 s)."""
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+@contextlib.asynccontextmanager
 async def gateway_process(
     directory: Path, config: Path, keys: Path, *flags: str, ready_timeout_s: float = 60.0
 ) -> AsyncIterator[GatewayProcess]:
@@ -313,10 +332,10 @@ async def gateway_process(
         "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port}",
         "--health-interval", "0.5", "--reload-interval", "0.2", *flags,
     ]  # fmt: skip
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
-    gateway = GatewayProcess(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", proc, log_path)
-    try:
+    async with process(log_path, *command) as proc:
+        gateway = GatewayProcess(
+            f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", proc, log_path
+        )
         deadline = time.monotonic() + ready_timeout_s
         async with aiohttp.ClientSession() as http:
             while True:
@@ -332,15 +351,6 @@ async def gateway_process(
                     raise AssertionError(f"the gateway was not ready in time:\n{gateway.log()[-3000:]}")
                 await asyncio.sleep(0.1)
         yield gateway
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 async def _flood(url: str, key: str, body: bytes, seconds: float, concurrency: int) -> dict[int, int]:
@@ -407,22 +417,3 @@ async def running_front_door(settings: GatewaySettings, kind: str, workdir: Path
     else:
         async with running_gateway(settings) as (url, gateway):
             yield FrontDoor(url, gateway.pipeline, gateway.metrics_url, gateway)
-
-
-@contextlib.asynccontextmanager
-async def process(log_path: Path, *command: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    """``command`` as a process (its output in ``log_path``) until the block ends, then SIGTERM (SIGKILL
-    after 15 s)."""
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(15):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()

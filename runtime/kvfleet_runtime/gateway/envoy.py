@@ -231,6 +231,15 @@ def envoy_binary() -> Path:
     return Path(on_path)
 
 
+def envoy_argv(config: Path, workdir: Path, concurrency: int | None = None) -> list[str]:
+    """Envoy's command line for the configuration file ``config``: warnings only, no hot restart (one
+    Envoy per pod or test), its base id kept in ``workdir``; ``concurrency`` worker threads (Envoy's
+    default: one per core)."""
+    argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warning", "--disable-hot-restart"]
+    argv += ["--base-id-path", str(workdir / "base-id")]
+    return argv if concurrency is None else [*argv, "--concurrency", str(concurrency)]
+
+
 @contextlib.asynccontextmanager
 async def running_envoy(
     config: dict[str, Any], workdir: Path, ready_timeout_s: float = 30.0
@@ -240,18 +249,7 @@ async def running_envoy(
     path = workdir / "envoy.json"
     log = await asyncio.to_thread(_prepare_workdir, workdir, path, config)
     proc = await asyncio.create_subprocess_exec(
-        str(envoy_binary()),
-        "-c",
-        str(path),
-        "--log-level",
-        "warning",
-        "--concurrency",
-        "1",
-        "--disable-hot-restart",
-        "--base-id-path",
-        str(workdir / "base-id"),
-        stdout=log,
-        stderr=log,
+        *envoy_argv(path, workdir, concurrency=1), stdout=log, stderr=log
     )
     admin = config["admin"]["address"]["socket_address"]
     try:

@@ -212,7 +212,6 @@ class _Exchange:
     #: What the answer's status says the outcome will be once its body is complete.
     answer_outcome: str = "ok"
     status: int = 0
-    streaming: bool = False
     usage: UsageTracker | None = None
     sse: SseSplitter | None = None
     buffered: bytearray | None = None
@@ -453,13 +452,13 @@ class EndpointPicker:
         set_headers: list[base_pb2.HeaderValueOption] = []
         if admitted is not None:
             set_headers = [_header(k, v) for k, v in admitted.gate.rate_limit_headers().items()]
-            exchange.streaming = admitted.prepared.stream and status == 200
+
             exchange.answer_outcome = (
                 "ok" if status == 200 else "upstream_error" if status >= 500 else "client_error"
             )
             if status >= 500:
                 self.pipeline.metrics.upstream_errors.labels(admitted.tenant.pool.name, "status_5xx").inc()
-            if exchange.streaming:
+            if admitted.prepared.stream and status == 200:
                 exchange.sse = SseSplitter()
             else:
                 exchange.buffered = bytearray()

@@ -134,7 +134,7 @@ async def _serve_epp(
 
 
 def run_envoy(args: argparse.Namespace) -> int:
-    from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap, envoy_binary  # noqa: PLC0415
+    from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap, envoy_argv  # noqa: PLC0415
 
     settings = from_flags(args)
     host, port = args.listen
@@ -147,7 +147,5 @@ def run_envoy(args: argparse.Namespace) -> int:
     directory = Path(tempfile.mkdtemp(prefix="kvfleet-envoy-"))
     path = directory / "envoy.json"
     path.write_text(json.dumps(config))
-    binary = str(envoy_binary())
-    argv = [binary, "-c", str(path), "--log-level", "warning", "--disable-hot-restart"]
-    argv += ["--base-id-path", str(directory / "base-id")]
-    os.execv(binary, argv)  # noqa: S606 - Envoy replaces this process (its signals, its exit status)
+    argv = envoy_argv(path, directory)
+    os.execv(argv[0], argv)  # noqa: S606 - Envoy replaces this process (its signals, its exit status)
