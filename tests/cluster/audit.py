@@ -31,8 +31,15 @@ _IDENTITY = re.compile(r"^(?:kvfleet-operator|kopf/\S+) \(([^()]+)\)$")
 
 @dataclass(frozen=True)
 class Write:
-    """One audited write (an event of stage ``ResponseComplete``)."""
+    """One audited write (an event of stage ``ResponseComplete``).
 
+    ``received`` is when the API server received the request, ``at`` when it logged the response. The
+    log's line order is the order of ``at``, which is not the order of the writes: the API server logs a
+    response after it has sent it, from the request's own goroutine, so on a loaded machine a write that
+    came later (a new leader taking the Lease the old one had just released) can be logged first.
+    """
+
+    received: datetime
     at: datetime
     verb: str
     user: str
@@ -88,6 +95,7 @@ def read_writes(path: Path, offset: int = 0) -> list[Write]:
         ref = event.get("objectRef") or {}
         out.append(
             Write(
+                received=_parse_time(event["requestReceivedTimestamp"]),
                 at=_parse_time(event.get("stageTimestamp") or event["requestReceivedTimestamp"]),
                 verb=str(event.get("verb", "")),
                 user=str((event.get("user") or {}).get("username", "")),
@@ -138,10 +146,14 @@ def count_by(writes: Iterable[Write], key: str) -> Counter[str]:
 
 
 def terms(writes: Iterable[Write]) -> Iterator[tuple[str, list[Write]]]:
-    """The writes in the order the API server logged them, grouped into runs of one identity."""
+    """The writes in the order the API server received them, grouped into runs of one identity.
+
+    Received, not logged (see :class:`Write`): two successful updates of one Lease are serialized by its
+    resourceVersion, so the later one was sent after the earlier had been answered, hence received after
+    it; the order of the log's lines can still swap them."""
     current: str | None = None
     run: list[Write] = []
-    for write in writes:
+    for write in sorted(writes, key=lambda w: w.received):
         if write.identity != current and run:
             yield str(current), run
             run = []
