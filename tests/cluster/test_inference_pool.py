@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
 from cluster_helpers import wait_for
-from devcluster import BUILD_COMMAND, ControlPlane, cache_dir
+from devcluster import ControlPlane
 
-from components import missing_component
+from gie_builders import CRD_API, CRDS, apply_crd
 from kvfleet_operator.api import reasons
 from kvfleet_operator.build.guardrails import Guardrails
 from kvfleet_operator.k8s import kinds
@@ -43,23 +42,6 @@ ALLOWED = dataclasses.replace(
     guardrails=Guardrails(hosts=("llm.example.com",), parent_gateways=("{namespace}/*",)),
 )
 GATEWAY_PODS = {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "edge"}}
-CRDS = {
-    "inferencepools.inference.networking.k8s.io": (
-        "gateway-api-inference-extension",
-        "inference.networking.k8s.io_inferencepools.yaml",
-    ),
-    "httproutes.gateway.networking.k8s.io": ("gateway-api", "gateway.networking.k8s.io_httproutes.yaml"),
-}
-CRD_API = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
-def _crd(name: str) -> dict[str, Any]:
-    folder, file = CRDS[name]
-    path = cache_dir() / folder / file
-    if not path.is_file():
-        missing_component(f"{folder} CRDs", BUILD_COMMAND)
-    doc: dict[str, Any] = yaml.safe_load(path.read_text())
-    return doc
 
 
 def _served(plane: ControlPlane, kind: kinds.Kind, namespace: str) -> bool:
@@ -67,13 +49,7 @@ def _served(plane: ControlPlane, kind: kinds.Kind, namespace: str) -> bool:
 
 
 def _install(plane: ControlPlane, name: str, kind: kinds.Kind, namespace: str) -> None:
-    status, body = plane.request(
-        "PATCH",
-        f"{CRD_API}/{name}?fieldManager=kvfleet-tests",
-        _crd(name),
-        content_type="application/apply-patch+yaml",
-    )
-    assert status in (200, 201), body
+    apply_crd(plane, name)
     wait_for(lambda: _served(plane, kind, namespace), timeout=60, what=f"{kind.kind} API served")
 
 

