@@ -370,6 +370,9 @@ def render_engine_restore(f: Files) -> str:
 PROXIES = {
     "kvfleet": "kvfleet gateway",
     "kvfleet-envoy": "Envoy 1.40 + kvfleet EPP",
+    # The Gateway API Inference Extension's lightweight EPP (bench.py --gie-epp); its release is added from
+    # the run's details.
+    "gie-lwepp": "Envoy 1.40 + GIE lwepp",
     "vllm-router": "vllm-router",
     "litellm": "LiteLLM proxy",
 }
@@ -378,12 +381,18 @@ BASELINE_PREFIX = "kvfleet@"
 
 
 def _gateway_rows(r: Results) -> dict[str, str]:
-    """Figure prefix -> row label: the current gateway, its same-run baseline (if any), then the peers."""
+    """Figure prefix -> row label: the current gateway, its same-run baseline (if any), then the peers
+    (with the release the run recorded for a peer built from source, as GIE's lwepp)."""
+    recorded = r.details.get("versions")
+    versions = recorded if isinstance(recorded, dict) else {}
+    rows = {p: f"{label} {versions[p]}" if p in versions else label for p, label in PROXIES.items()}
+    if r.details.get("gie_epp_modes") == "adapted":  # not the kvfleet Envoy row's ext_proc modes
+        rows["gie-lwepp"] += " (ext_proc modes adapted to it)"
     ref = r.details.get("baseline_ref")
     if not ref:
-        return PROXIES
+        return rows
     what = r.details.get("baseline_label") or "at"
-    first, *peers = PROXIES.items()
+    first, *peers = rows.items()
     return dict([first, (f"{BASELINE_PREFIX}{ref}", f"kvfleet gateway ({what} {ref})"), *peers])
 
 

