@@ -23,6 +23,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,19 @@ from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap, virtual_host
 from kvfleet_runtime.gateway.settings import GatewaySettings
 
 NS, OTHER_NS = "kvfleet-e2e", "kvfleet-e2e-other"
+#: The platform's Gateway API Inference Extension gateway: its namespace, and the labels its controller
+#: puts on the gateway's pods (as Istio or kgateway label the pods of a Gateway named edge).
+GATEWAYS_NS, EDGE = "kvfleet-e2e-gateways", {"gateway.networking.k8s.io/gateway-name": "edge"}
+ROUTE_HOST = "llm.e2e.example"
+#: The chart's values the platform team sets (helm --set).
+PLATFORM_VALUES = [
+    "guardrails.serviceTypes={ClusterIP,NodePort}",
+    "rbac.inferencePool=true",
+    "rbac.httpRoute=true",
+    f"guardrails.inferenceGatewayNamespaces={{{GATEWAYS_NS}}}",
+    f"guardrails.parentGateways={{{GATEWAYS_NS}/edge}}",
+    f"guardrails.hosts={{{ROUTE_HOST}}}",
+]
 PROMPT_WORDS = 360  # ~700 tokens of the tiny tokenizer: 21 full 32-token blocks to hit on a repeat
 PROBE_PORTS = {
     "inference": ENGINE_PORT,
@@ -165,9 +179,13 @@ def test_helm_install_runs_the_operator_image_with_probes_passing(plane: Control
     # The chart's default scope is the release namespace; the tenants' namespace is watched by name (it
     # must exist first: the chart binds a Role there) and enforces the `restricted` Pod Security Standard.
     create_namespace(plane, NS, RESTRICTED)
+    for crd in (INFERENCE_POOL_CRD, HTTP_ROUTE_CRD):  # a cluster with a GIE gateway has both APIs
+        apply_crd(plane, crd)
     # The platform lets its teams expose a gateway on a NodePort (test_a_tenant_streams_from_outside...):
-    # the chart's guardrails allow ClusterIP Services only unless it says so.
-    helm_install(plane, [NS], values=["guardrails.serviceTypes={ClusterIP,NodePort}"])
+    # the chart's guardrails allow ClusterIP Services only unless it says so. And it runs its own GIE
+    # gateway (test_a_platform_gateway_serves_tenants...): the operator may manage InferencePools and
+    # HTTPRoutes, for that gateway's namespace, Gateway and hostname.
+    helm_install(plane, [NS], values=PLATFORM_VALUES)
     deployment = kube(plane, "GET", f"/apis/apps/v1/namespaces/{RELEASE_NS}/deployments/{RELEASE}")
     replicas = deployment["spec"]["replicas"]
     assert replicas >= 1 and deployment["status"].get("readyReplicas") == replicas, deployment["status"]
@@ -468,10 +486,6 @@ def test_scraper_label_outside_the_scrapers_namespace_opens_nothing(
 
 # --- behind the platform's own inference gateway (GIE) -------------------------------------------------
 
-#: The platform's Gateway API Inference Extension gateway: its namespace, and the labels its controller
-#: puts on the gateway's pods (as Istio or kgateway label the pods of a Gateway named edge).
-GATEWAYS_NS, EDGE = "kvfleet-e2e-gateways", {"gateway.networking.k8s.io/gateway-name": "edge"}
-ROUTE_HOST = "llm.e2e.example"
 EDGE_PORT = 8080
 
 
@@ -551,29 +565,21 @@ def _cached(answer: dict[str, Any]) -> int:
 def test_a_platform_gateway_serves_tenants_through_the_inference_pool_and_the_endpoint_picker(
     plane: ControlPlane, probes: dict[str, tuple[str, str]]
 ) -> None:
-    """kvfleet behind the platform's own GIE gateway, on the real node: the chart lets the operator manage
-    InferencePools and HTTPRoutes and admits the platform gateway's namespace; the ModelDeployment names
-    the gateway's pods and an HTTPRoute. The operator runs the Endpoint Picker and renders the
+    """kvfleet behind the platform's own GIE gateway, on the real node: the cluster has GIE's and the
+    Gateway API's CRDs, the chart lets the operator manage InferencePools and HTTPRoutes and admits the
+    platform gateway's namespace (both at install: PLATFORM_VALUES); the ModelDeployment names the
+    gateway's pods and an HTTPRoute. The operator runs the Endpoint Picker and renders the
     InferencePool and the route to it; an Envoy pod configured from those objects the way GIE gateways are
     (HTTPRoute → InferencePool → endpointPickerRef, ext_proc, original destination) serves tenants with
     their keys, salts and usage. The NetworkPolicies are enforced by kube-router: the gateway's pods reach
     the picker and the engine; a pod beside them without the gateway's labels, or with them in another
     namespace, reaches neither."""
-    for name in (INFERENCE_POOL_CRD, HTTP_ROUTE_CRD):
-        apply_crd(plane, name)
     create_namespace(plane, GATEWAYS_NS, RESTRICTED)
-    helm_install(
-        plane,
-        [NS],
-        values=[
-            "guardrails.serviceTypes={ClusterIP,NodePort}",
-            "rbac.inferencePool=true",
-            "rbac.httpRoute=true",
-            f"guardrails.inferenceGatewayNamespaces={{{GATEWAYS_NS}}}",
-            f"guardrails.parentGateways={{{GATEWAYS_NS}/edge}}",
-            f"guardrails.hosts={{{ROUTE_HOST}}}",
-        ],
-    )
+    image = kvfleet_images()["kvfleet"][0]
+    beside = _restricted_probe_pod("beside", GATEWAYS_NS, image, {"app": "beside"})
+    impostor = _restricted_probe_pod("impostor", OTHER_NS, image, EDGE)
+    for manifest in (beside, impostor):  # they start while the operator works
+        kube(plane, "POST", f"/api/v1/namespaces/{manifest['metadata']['namespace']}/pods", manifest)
     gateway = {
         "inferencePool": {"gatewayPods": {"namespace": GATEWAYS_NS, "matchLabels": EDGE}},
         "exposure": {
@@ -586,33 +592,17 @@ def test_a_platform_gateway_serves_tenants_through_the_inference_pool_and_the_en
     }
     path = f"/apis/kvfleet.io/v1alpha1/namespaces/{NS}/modeldeployments/{MD}"
     kube(plane, "PATCH", path, {"spec": {"gateway": gateway}}, "application/merge-patch+json")
-    route = wait_for(
-        lambda: plane.request("GET", f"/apis/gateway.networking.k8s.io/v1/namespaces/{NS}/httproutes")[1].get(
-            "items"
-        ),
-        "the HTTPRoute of spec.gateway.exposure.httpRoute",
-        120,
-        plane,
-    )[0]
-    pools = wait_for(
-        lambda: plane.request("GET", f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools")[
-            1
-        ].get("items"),
-        "the InferencePools of spec.gateway.inferencePool",
-        120,
-        plane,
-    )
+    routes = f"/apis/gateway.networking.k8s.io/v1/namespaces/{NS}/httproutes"
+    (route,) = wait_for(lambda: kube(plane, "GET", routes)["items"], "the HTTPRoute", 120, plane)
+    inference_pools = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
+    pools = wait_for(lambda: kube(plane, "GET", inference_pools)["items"], "the InferencePools", 120, plane)
     wait_for(lambda: component_ready(plane, NS, "epp"), "the Endpoint Picker's pod Ready", 180, plane)
     config = _edge_envoy_config(route, {p["metadata"]["name"]: p for p in pools})
     kube(plane, "POST", f"/api/v1/namespaces/{GATEWAYS_NS}/configmaps", {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "edge-envoy"},
         "data": {"envoy.json": json.dumps(config)},
     })  # fmt: skip
-    image = kvfleet_images()["kvfleet"][0]
-    beside = _restricted_probe_pod("beside", GATEWAYS_NS, image, {"app": "beside"})
-    impostor = _restricted_probe_pod("impostor", OTHER_NS, image, EDGE)
-    for manifest in (_edge_pod(image), beside, impostor):
-        kube(plane, "POST", f"/api/v1/namespaces/{manifest['metadata']['namespace']}/pods", manifest)
+    kube(plane, "POST", f"/api/v1/namespaces/{GATEWAYS_NS}/pods", _edge_pod(image))
     for ns, name in ((GATEWAYS_NS, "edge"), (GATEWAYS_NS, "beside"), (OTHER_NS, "impostor")):
         wait_for(
             lambda ns=ns, name=name: _ready(kube(plane, "GET", f"/api/v1/namespaces/{ns}/pods/{name}")),
@@ -658,6 +648,12 @@ def test_a_platform_gateway_serves_tenants_through_the_inference_pool_and_the_en
     assert connect(plane, GATEWAYS_NS, "edge", picker_ip, EPP_PORT) == "open"
     assert connect(plane, GATEWAYS_NS, "edge", engine_ip, ENGINE_PORT) == "open"
     origins = [(GATEWAYS_NS, "beside"), (OTHER_NS, "impostor"), probes["same-namespace"]]
-    for ns, pod in origins:
-        for port, ip in ((EPP_PORT, picker_ip), (ENGINE_PORT, engine_ip)):
-            assert connect(plane, ns, pod, ip, port) != "open", f"{ns}/{pod} reached {ip}:{port}"
+    attempts = [
+        (ns, pod, ip, port)
+        for ns, pod in origins
+        for ip, port in ((picker_ip, EPP_PORT), (engine_ip, ENGINE_PORT))
+    ]
+    with ThreadPoolExecutor(len(attempts)) as pool:  # a dropped connection waits out its timeout: at once
+        results = list(pool.map(lambda a: connect(plane, *a), attempts))
+    reached = [a for a, result in zip(attempts, results, strict=True) if result == "open"]
+    assert not reached, f"reached the picker or the engine: {reached}"
