@@ -524,6 +524,12 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
         # with the stream's prompt lands there, and a finished request's counter is exact. (Reading vLLM's
         # running gauge during the stream failed twice in warm CI runs: the 1,800 tokens took 2.5 s, and
         # the gauge had not shown the stream before it ended.)
+        # Both replicas in rotation first: the new gateway takes a replica into rotation at its first health
+        # check, so a probe sent before the second one's would land on the first whatever the affinity.
+        deadline = time.monotonic() + 30
+        while not all([await metric(gw, m.REPLICA_HEALTHY, replica=e.base_url) == 1 for e in pair]):
+            assert time.monotonic() < deadline, "both engines in the gateway's rotation within 30 s"
+            await asyncio.sleep(0.1)
         prompt = "a long answer please"
         probed = [success_count(e) for e in pair]
         status, body, _ = await complete(http, gw.url, cfg.keys["acme"], prompt)
