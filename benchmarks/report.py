@@ -370,6 +370,8 @@ def render_engine_restore(f: Files) -> str:
 PROXIES = {
     "kvfleet": "kvfleet gateway",
     "kvfleet-envoy": "Envoy 1.40 + kvfleet EPP",
+    # bench.py --envoy-without-usage: the same with the answer's body not sent to the EPP (no metering).
+    "kvfleet-envoy-no-usage": "Envoy 1.40 + kvfleet EPP, answer body not sent (no usage metered)",
     # The Gateway API Inference Extension's lightweight EPP (bench.py --gie-epp); its release is added from
     # the run's details.
     "gie-lwepp": "Envoy 1.40 + GIE lwepp",

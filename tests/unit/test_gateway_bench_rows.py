@@ -1,5 +1,6 @@
-"""The gateway benchmark's GIE lightweight EPP row (``benchmarks/gateway/bench.py --gie-epp``): its Envoy is
-kvfleet's Envoy configuration with only the ext_proc exchange changed, and its lwepp release is the one
+"""The gateway benchmark's Envoy rows besides kvfleet's own (``benchmarks/gateway/bench.py``): the GIE
+lightweight EPP's (``--gie-epp``) and the one without usage metering (``--envoy-without-usage``) run kvfleet's
+Envoy configuration with only the ext_proc exchange changed, and the lwepp release is the one
 ``setup-bench-lwepp.sh`` builds."""
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ def test_lwepp_envoy_differs_from_kvfleets_only_in_the_ext_proc_exchange() -> No
     ext_proc.pop("send_body_without_waiting_for_header_response")
     ext_proc["processing_mode"] = _http_filters(kvfleet)[0]["typed_config"]["processing_mode"]
     assert adapted == kvfleet
+
+
+def test_the_row_without_usage_differs_from_kvfleets_only_in_the_answer_body_not_sent() -> None:
+    ports = EnvoyPorts("127.0.0.1", 8080, 9901, "127.0.0.1", 9002)
+    kvfleet = bootstrap(GatewaySettings(Path("tenants.json"), Path("keys.json")), ports)
+    changed = bench.without_response_body(copy.deepcopy(kvfleet))
+    modes = _http_filters(changed)[0]["typed_config"]["processing_mode"]
+    assert modes["response_body_mode"] == "NONE"
+    assert _http_filters(kvfleet)[0]["typed_config"]["processing_mode"]["response_body_mode"] != "NONE"
+    modes["response_body_mode"] = _http_filters(kvfleet)[0]["typed_config"]["processing_mode"][
+        "response_body_mode"
+    ]
+    assert changed == kvfleet
 
 
 def test_the_lwepp_release_is_the_one_the_setup_script_builds() -> None:
