@@ -247,6 +247,18 @@ async def test_requests_per_minute_gives_429_with_retry_after(tmp_path: Path, fr
 
 
 @pytest.mark.parametrize("front_door", FRONT_DOORS)
+async def test_rate_limit_headers_say_what_stood_at_admission(tmp_path: Path, front_door: str) -> None:
+    """The answer's ``x-ratelimit-remaining-requests`` counts the request itself, however long the engine
+    took: at 600 a minute a slot comes back every 0.1 s, so headers read when a 0.5 s answer arrives would
+    show the limit untouched."""
+    t = TenantRow("rl", rate_limits=RateLimits(requests_per_minute=600))
+    async with gateway_env(tmp_path, [t], engine_kwargs={"delay_s": 0.5}, front_door=front_door) as env:
+        _, _, headers = await env.chat("rl")
+        assert headers["x-ratelimit-limit-requests"] == "600"
+        assert int(headers["x-ratelimit-remaining-requests"]) == 599, dict(headers)
+
+
+@pytest.mark.parametrize("front_door", FRONT_DOORS)
 async def test_tokens_per_minute_counts_the_estimate_and_reconciles_usage(
     tmp_path: Path, front_door: str
 ) -> None:

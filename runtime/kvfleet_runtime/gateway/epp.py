@@ -210,6 +210,9 @@ class _Exchange:
     body: bytearray | None = None
     subset: set[str] | None = None
     admitted: AdmittedRequest | None = None
+    #: The tenant's rate-limit headers as they stood when the request was admitted (what the aiohttp door
+    #: sends too): read at the answer, a limit's window would have refilled while the engine worked.
+    limit_headers: dict[str, str] | None = None
     replica: ReplicaState | None = None
     #: What the request is counted as if its stream ends now (set once its answer is complete).
     outcome: str = "cancelled"
@@ -368,6 +371,7 @@ class EndpointPicker:
         exchange.body = None
         admitted = await pipeline.admit(opened, prepared)  # stage 4 (refusals counted)
         exchange.admitted = admitted
+        exchange.limit_headers = admitted.gate.rate_limit_headers()
         exchange.usage = UsageTracker()
         replica = await self._pick(exchange, admitted)  # stage 5
         exchange.replica = replica
@@ -455,7 +459,8 @@ class EndpointPicker:
         admitted = exchange.admitted
         set_headers: list[base_pb2.HeaderValueOption] = []
         if admitted is not None:
-            set_headers = [_header(k, v) for k, v in admitted.gate.rate_limit_headers().items()]
+            limits = exchange.limit_headers or admitted.gate.rate_limit_headers()
+            set_headers = [_header(k, v) for k, v in limits.items()]
 
             exchange.answer_outcome = (
                 "ok" if status == 200 else "upstream_error" if status >= 500 else "client_error"
