@@ -69,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -359,12 +359,33 @@ def without_response_body(config: dict[str, Any]) -> dict[str, Any]:
     """kvfleet's Envoy configuration with the answer's body no longer sent to the EPP (``response_body_mode``
     ``NONE``): two ext_proc messages of eight fewer, and the EPP meters no usage (it never sees the
     ``usage`` object). For measuring what the metering costs only; nothing ships it."""
-    connection_manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    for http_filter in connection_manager["typed_config"]["http_filters"]:
+    from kvfleet_runtime.gateway.envoy import http_filters  # noqa: PLC0415 - runtime/ is on sys.path
+
+    for http_filter in http_filters(config):
         if http_filter["name"] == "envoy.filters.http.ext_proc":
             http_filter["typed_config"]["processing_mode"]["response_body_mode"] = "NONE"
             return config
     raise ValueError("no ext_proc filter in the configuration")
+
+
+def patched_envoy_argv(
+    kvfleet_envoy: list[str],
+    env: dict[str, str],
+    directory: Path,
+    patch: Callable[[dict[str, Any]], dict[str, Any]],
+) -> list[str]:
+    """Envoy's command line for ``kvfleet envoy``'s configuration (``kvfleet_envoy`` with
+    ``--print-config``, run with ``env``) changed by ``patch``, written into ``directory``: ``kvfleet
+    envoy``'s own command line for that file."""
+    from kvfleet_runtime.gateway.envoy import envoy_argv  # noqa: PLC0415 - runtime/ is on sys.path
+
+    printed = [*kvfleet_envoy, "--print-config"]
+    rendered = subprocess.run(printed, capture_output=True, text=True, check=True, env={**os.environ, **env})
+    config = json.loads(rendered.stdout)
+    directory.mkdir()
+    path = directory / "envoy.json"
+    path.write_text(json.dumps(patch(config)))
+    return envoy_argv(path, directory)
 
 
 def start_envoy_front_door(
@@ -400,16 +421,7 @@ def start_envoy_front_door(
     argv = [*kvfleet, "envoy", *table[:4], "--listen", f"127.0.0.1:{port}", "--epp", f"127.0.0.1:{epp_port}",
             "--admin-port", str(free_port())]  # fmt: skip
     if not usage:
-        from kvfleet_runtime.gateway.envoy import envoy_argv  # noqa: PLC0415 - runtime/ is on sys.path
-
-        rendered = subprocess.run(
-            [*argv, "--print-config"], capture_output=True, text=True, check=True, env={**os.environ, **env}
-        ).stdout
-        directory = workdir / name
-        directory.mkdir()
-        path = directory / "envoy.json"
-        path.write_text(json.dumps(without_response_body(json.loads(rendered))))
-        argv = envoy_argv(path, directory)
+        argv = patched_envoy_argv(argv, env, workdir / name, without_response_body)
     envoy = procs.start(name, argv, env=env)
     return Target(
         name,
@@ -542,8 +554,9 @@ def lwepp_envoy_config(config: dict[str, Any]) -> dict[str, Any]:
     that (HTTP/1.1 bodies otherwise arrive as the data and then an empty end-of-stream chunk, whose first
     answer precedes the headers' one: spurious, a 500). BUFFERED would wait for a headers answer lwepp
     holds back until the body. lwepp needs no response body (it sets response headers only): ``NONE``."""
-    connection_manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    filters: list[dict[str, Any]] = connection_manager["typed_config"]["http_filters"]
+    from kvfleet_runtime.gateway.envoy import http_filters  # noqa: PLC0415 - runtime/ is on sys.path
+
+    filters = http_filters(config)
     at = next(i for i, f in enumerate(filters) if f["name"] == "envoy.filters.http.ext_proc")
     ext_proc = filters[at]["typed_config"]
     ext_proc["processing_mode"].update(
@@ -619,20 +632,7 @@ def start_gie_front_door(
     if modes == "reference":
         argv = kvfleet_envoy
     else:
-        from kvfleet_runtime.gateway.envoy import envoy_argv  # noqa: PLC0415 - runtime/ is on sys.path
-
-        rendered = subprocess.run(
-            [*kvfleet_envoy, "--print-config"],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, **env},
-        ).stdout
-        directory = workdir / "gie-envoy"
-        directory.mkdir()
-        path = directory / "envoy.json"
-        path.write_text(json.dumps(lwepp_envoy_config(json.loads(rendered))))
-        argv = envoy_argv(path, directory)  # kvfleet envoy's own command line for that file
+        argv = patched_envoy_argv(kvfleet_envoy, env, workdir / "gie-envoy", lwepp_envoy_config)
     envoy = procs.start(GIE_TARGET, argv, env=env)
     # lwepp authenticates nobody: no key.
     return Target(

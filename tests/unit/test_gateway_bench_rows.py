@@ -9,9 +9,8 @@ import copy
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
-from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap
+from kvfleet_runtime.gateway.envoy import EnvoyPorts, bootstrap, http_filters
 from kvfleet_runtime.gateway.settings import GatewaySettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gateway"))
@@ -19,20 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gat
 import bench  # a script, imported from its own folder
 
 
-def _http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
-    listener = config["static_resources"]["listeners"][0]
-    filters: list[dict[str, Any]] = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    return filters
-
-
 def test_lwepp_envoy_differs_from_kvfleets_only_in_the_ext_proc_exchange() -> None:
     ports = EnvoyPorts("127.0.0.1", 8080, 9901, "127.0.0.1", 9002)
     kvfleet = bootstrap(GatewaySettings(Path("tenants.json"), Path("keys.json")), ports)
     adapted = bench.lwepp_envoy_config(copy.deepcopy(kvfleet))
 
-    names = [f["name"] for f in _http_filters(adapted)]
+    names = [f["name"] for f in http_filters(adapted)]
     assert names == ["envoy.filters.http.buffer", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    buffer, ext_proc = (f["typed_config"] for f in _http_filters(adapted)[:2])
+    buffer, ext_proc = (f["typed_config"] for f in http_filters(adapted)[:2])
     assert buffer["max_request_bytes"] == bench.LWEPP_MAX_BODY_BYTES
     assert ext_proc["processing_mode"] == {
         "request_header_mode": "SEND",
@@ -45,9 +38,9 @@ def test_lwepp_envoy_differs_from_kvfleets_only_in_the_ext_proc_exchange() -> No
     assert ext_proc["send_body_without_waiting_for_header_response"] is True
 
     # Undo those changes: what is left is kvfleet's configuration as rendered.
-    del _http_filters(adapted)[0]
+    del http_filters(adapted)[0]
     ext_proc.pop("send_body_without_waiting_for_header_response")
-    ext_proc["processing_mode"] = _http_filters(kvfleet)[0]["typed_config"]["processing_mode"]
+    ext_proc["processing_mode"] = http_filters(kvfleet)[0]["typed_config"]["processing_mode"]
     assert adapted == kvfleet
 
 
@@ -55,10 +48,10 @@ def test_the_row_without_usage_differs_from_kvfleets_only_in_the_answer_body_not
     ports = EnvoyPorts("127.0.0.1", 8080, 9901, "127.0.0.1", 9002)
     kvfleet = bootstrap(GatewaySettings(Path("tenants.json"), Path("keys.json")), ports)
     changed = bench.without_response_body(copy.deepcopy(kvfleet))
-    modes = _http_filters(changed)[0]["typed_config"]["processing_mode"]
+    modes = http_filters(changed)[0]["typed_config"]["processing_mode"]
     assert modes["response_body_mode"] == "NONE"
-    assert _http_filters(kvfleet)[0]["typed_config"]["processing_mode"]["response_body_mode"] != "NONE"
-    modes["response_body_mode"] = _http_filters(kvfleet)[0]["typed_config"]["processing_mode"][
+    assert http_filters(kvfleet)[0]["typed_config"]["processing_mode"]["response_body_mode"] != "NONE"
+    modes["response_body_mode"] = http_filters(kvfleet)[0]["typed_config"]["processing_mode"][
         "response_body_mode"
     ]
     assert changed == kvfleet

@@ -214,14 +214,27 @@ def bootstrap(settings: GatewaySettings, ports: EnvoyPorts, epp_ca: Path | None 
     }
 
 
+def _connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    """The HTTP connection manager of a :func:`bootstrap` configuration's one listener."""
+    (listener,) = config["static_resources"]["listeners"]
+    (manager,) = listener["filter_chains"][0]["filters"]
+    typed: dict[str, Any] = manager["typed_config"]
+    return typed
+
+
 def virtual_host(config: dict[str, Any]) -> dict[str, Any]:
     """The one virtual host of a :func:`bootstrap` configuration (``domains``: every host; ``routes``:
     every path to the engines), for a gateway that narrows it to an HTTPRoute's hostnames and path."""
-    (listener,) = config["static_resources"]["listeners"]
-    (manager,) = listener["filter_chains"][0]["filters"]
-    (host,) = manager["typed_config"]["route_config"]["virtual_hosts"]
+    (host,) = _connection_manager(config)["route_config"]["virtual_hosts"]
     result: dict[str, Any] = host
     return result
+
+
+def http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The HTTP filters of a :func:`bootstrap` configuration, in order (ext_proc, then the router): the
+    list itself, for a caller that changes the ext_proc exchange."""
+    filters: list[dict[str, Any]] = _connection_manager(config)["http_filters"]
+    return filters
 
 
 def envoy_binary() -> Path:

@@ -459,8 +459,7 @@ class EndpointPicker:
         admitted = exchange.admitted
         set_headers: list[base_pb2.HeaderValueOption] = []
         if admitted is not None:
-            limits = exchange.limit_headers or admitted.gate.rate_limit_headers()
-            set_headers = [_header(k, v) for k, v in limits.items()]
+            set_headers = [_header(k, v) for k, v in (exchange.limit_headers or {}).items()]
 
             exchange.answer_outcome = (
                 "ok" if status == 200 else "upstream_error" if status >= 500 else "client_error"
