@@ -28,8 +28,9 @@ lanes side by side), ``lint_s`` (ruff, mypy, import contracts) and ``tests_s`` (
 ``==> `` lines ``hack/test.sh`` prints; one ``provision_<step>_s`` per ``hack/provision.d`` step (from its
 ``<== STEP: done in N s`` line; the steps of the lanes overlap); ``go_<group>_build_s`` for every
 ``<group>: done in N s`` line of ``hack/build-cluster.sh`` (in the log, or in the steps' own logs that
-hack/provision.sh keeps); ``limit_s`` (90 minutes). Details: pytest's
-summary line and the exit status.
+hack/provision.sh keeps); ``limit_s`` (90 minutes); with ``run``, ``disk_peak_gb`` and ``disk_end_gb``: the
+free space the run took on WORKDIR's filesystem at its fullest and at its end (``DiskWatch``).
+Details: pytest's summary line and the exit status.
 
 Two log formats: in the older one lint ran after provisioning, from its ``==> ruff`` line to ``==> pytest``,
 and the four phases add up to the total. In today's (``hack/provision.sh``) lint is a lane of its own beside
@@ -46,8 +47,9 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -274,13 +276,63 @@ def _warm_env() -> dict[str, str]:
     return env
 
 
+class DiskWatch:
+    """The free space of one filesystem, read every ``every`` seconds while a run goes on: how much of it
+    the run took at its fullest (``peak_bytes``) and at its end (``end_bytes``). On a disk shared with
+    other work, what that work wrote in the meantime counts too."""
+
+    def __init__(self, path: Path, every: float = 5.0, free: Callable[[], int] | None = None) -> None:
+        self.every = every
+        self.free = free or (lambda: shutil.disk_usage(path).free)
+        self.start_free = self.lowest_free = self.end_free = self.free()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every):
+            self.lowest_free = min(self.lowest_free, self.free())
+
+    def __enter__(self) -> DiskWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end_free = self.free()
+        self.lowest_free = min(self.lowest_free, self.end_free)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.start_free - self.lowest_free
+
+    @property
+    def end_bytes(self) -> int:
+        return self.start_free - self.end_free
+
+
+def disk_figures(watch: DiskWatch) -> dict[str, Figure]:
+    """``disk_peak_gb`` and ``disk_end_gb`` of a watched run (GB = 10^9 bytes)."""
+    note = "free space taken on the run's filesystem (other work on a shared disk counts too)"
+    return {
+        "disk_peak_gb": Figure.single(round(watch.peak_bytes / 1e9, 1), "GB", note=f"at its fullest: {note}"),
+        "disk_end_gb": Figure.single(round(watch.end_bytes / 1e9, 1), "GB", note=f"at its end: {note}"),
+    }
+
+
 def run_cold(
-    workdir: Path, warm_images: bool = False, warm: bool = False, demo: bool = False, in_place: bool = False
+    workdir: Path,
+    warm_images: bool = False,
+    warm: bool = False,
+    demo: bool = False,
+    in_place: bool = False,
+    disk: list[DiskWatch] | None = None,
 ) -> tuple[Path, int, Path]:
     """Clone HEAD into ``workdir/repo``, run ``.ci/run`` (with ``demo``: ``make demo``) there on empty
     caches under ``workdir`` (with ``warm``: on the machine's own caches, as on a provisioned machine; with
     ``in_place``: on the machine's own caches emptied first, which leaves the machine provisioned again and
-    needs no room for a second copy); the log, the exit status and the folder of the steps' own logs."""
+    needs no room for a second copy); the log, the exit status and the folder of the steps' own logs.
+    ``disk``: a list that gets the run's ``DiskWatch`` (from after the caches were emptied)."""
     if workdir.exists() and any(workdir.iterdir()):
         raise SystemExit(f"{workdir} is not empty: give a new folder (every cache under it must start empty)")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +344,10 @@ def run_cold(
     env = _warm_env() if warm or in_place else _cold_env(workdir, warm_images)
     if not warm and not in_place:
         Path(env["XDG_CACHE_HOME"]).mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
+    watch = DiskWatch(workdir)
+    if disk is not None:
+        disk.append(watch)
+    with log.open("w") as out, watch:
         proc = subprocess.Popen(
             ["make", "demo"] if demo else [".ci/run"],
             cwd=repo,
@@ -366,8 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if demo and args.results == default_path(NAME):
         args.results = default_path(DEMO_NAME)
     step_logs: Path | None = None
+    disk: list[DiskWatch] = []
     if args.command == "run":
-        log, status, step_logs = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place)
+        log, status, step_logs = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place, disk)
     else:
         log, status, step_logs = args.log, args.exit_status, args.step_logs
     run = parse_log(log.read_text().splitlines())
@@ -387,10 +443,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = Machine.here(load, note=args.load_note)
     else:  # the load while the logged run ran is not in the log: say what the caller knows
         machine = Machine(cores=os.cpu_count() or 1, load=args.load_note or "not recorded")
+    figures = figures_of(run)
+    for watch in disk:
+        figures |= disk_figures(watch)
     results = measured(
         name_of(args.results),
         command,
-        figures_of(run),
+        figures,
         machine,
         details=details,
     )

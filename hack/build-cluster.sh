@@ -3,6 +3,7 @@
 #
 #   hack/build-cluster.sh            build whatever is missing or out of date (idempotent; warm run ~seconds)
 #   hack/build-cluster.sh --force    rebuild everything
+#   KVFLEET_BUILD_STEPS="node drop-build-cache" hack/build-cluster.sh   some steps (the list is at the end)
 #
 # Output: $KVFLEET_CACHE/bin (default ~/.cache/kvfleet/bin): kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, etcd, kwok, helm; $KVFLEET_CACHE/gateway-api: the Gateway API's standard CRDs
@@ -50,6 +51,11 @@ FORCE=0
 
 mkdir -p "$BIN" "$STAMPS"
 export GOFLAGS="-buildvcs=false"
+# kvfleet's own Go build cache, not the user's: 8 GB once every binary is built, and a warm run builds
+# nothing, so the step drop-build-cache (the last of 30-node.sh) deletes it. A later rebuild (a version
+# bump) starts from an empty cache, as on a new machine. Go's module cache stays where Go keeps it: warm
+# runs read modules from it (module_commit, module_dir), 4 GB.
+export GOCACHE=$CACHE/go-build
 
 log() { printf '[build-cluster %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -308,6 +314,14 @@ install_prometheus() {
   log "prometheus: $(prometheus --version 2>&1 | head -1)"
 }
 
+drop_build_cache() {
+  [ -d "$GOCACHE" ] || { log "go build cache: none to drop"; return; }
+  local size
+  size=$(du -sh "$GOCACHE" | cut -f1)
+  rm -rf "$GOCACHE"
+  log "go build cache: dropped $GOCACHE ($size; every binary is built)"
+}
+
 steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus gateway-api"}
 total_start=$SECONDS
 for step in $steps; do
@@ -325,6 +339,7 @@ for step in $steps; do
     coredns) build_coredns ;;
     kube-router) build_kube_router ;;
     prometheus-k8s) build_prometheus_k8s ;;
+    drop-build-cache) drop_build_cache ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done

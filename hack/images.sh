@@ -15,7 +15,7 @@
 # Tags come from the content: <version>-<hash of every input> (base, Dockerfile, the files copied in), e.g.
 # ghcr.io/kvfleet/kvfleet:0.1.0-3f2a9c1d0b4e. Each image is also tagged <version> (0.1.0): the chart's
 # default, so `helm install` with default values runs exactly what this script built. An image whose
-# content tag exists already is not rebuilt. pip's downloads are cached across builds in
+# content tag exists already is not rebuilt; its earlier builds (other content tags) are removed. pip's downloads are cached across builds in
 # $KVFLEET_CACHE/pip (default ~/.cache/kvfleet/pip), the base tarball in $KVFLEET_CACHE/images.
 # Each build appends {"image", "seconds", "pip_cache_mb_before", ...} to $KVFLEET_CACHE/images/builds.jsonl
 # and the refs built are written to $KVFLEET_CACHE/images/images.json (read by the real node tier).
@@ -148,6 +148,20 @@ stage_context() {
   done
 }
 
+# Earlier builds of an image (its other content tags) leave podman's store: each engine build that changed
+# its dependencies holds 7 GB. Shared layers stay while the current build uses them.
+drop_earlier_builds() {  # name current-ref
+  local name=$1 current=$2 ref
+  podman images --format '{{.Repository}}:{{.Tag}}' "$REGISTRY/$name" | while read -r ref; do
+    case $ref in
+      "$current" | "$REGISTRY/$name:$VERSION") ;;
+      "$REGISTRY/$name:$VERSION-"*)
+        if podman rmi "$ref" >/dev/null 2>&1; then log "$name: dropped $ref (an earlier build)"
+        else log "$name: kept $ref (an earlier build still in use: podman rmi $ref)"; fi ;;
+    esac
+  done
+}
+
 build_image() {  # kvfleet|engine
   local t=$1 name=${REPO_NAME[$1]} file=${DOCKERFILE[$1]} ref hash start=$SECONDS pip_before
   pip_before=$(mb "$PIP_CACHE")
@@ -159,6 +173,7 @@ build_image() {  # kvfleet|engine
     podman tag "$ref" "$REGISTRY/$name:$VERSION"
     record "$t" "$ref" 0 true "$pip_before"
     BUILT_REF[$t]=$ref
+    drop_earlier_builds "$name" "$ref"
     return
   fi
   local ctx=$IMAGES_CACHE/context-$t
@@ -170,6 +185,7 @@ build_image() {  # kvfleet|engine
   log "$t: done in $((SECONDS - start)) s; $(podman image inspect --format '{{.Size}}' "$ref" | numfmt --to=iec) "
   record "$t" "$ref" $((SECONDS - start)) false "$pip_before"
   BUILT_REF[$t]=$ref
+  drop_earlier_builds "$name" "$ref"
 }
 
 check_gpu_file() {

@@ -54,8 +54,12 @@ while [ $# -gt 0 ]; do
   shift 2
 done
 
-logs=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}/logs/provision
+cache=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}
+logs=$cache/logs/provision
 mkdir -p "$logs"
+# What a provisioned machine holds (benchmarks/results/ci_cold.json: disk_peak_gb, disk_end_gb).
+DISK_NEED="a new machine needs about 45 GB while it provisions, 30 GB once provisioned"
+disk_free() { df -h --output=avail "$cache" | tail -1 | tr -d ' '; }
 interval=${KVFLEET_PROGRESS_INTERVAL:-300}
 tty=0
 [ -t 1 ] && tty=1
@@ -201,6 +205,7 @@ for script in "${also[@]}"; do
 done
 say "provisioning: $count steps in ${#lanes[@]} lanes side by side ($summary)$extra;" \
   "each step's output goes to $(shown "$logs")/STEP.log"
+say "disk: $(disk_free) free where kvfleet's caches live ($(shown "$cache")); $DISK_NEED"
 for lane in "${lanes[@]}"; do
   # shellcheck disable=SC2086  # step paths have no spaces
   run_lane "$lane" 0 ${lane_steps[$lane]} &
@@ -224,6 +229,10 @@ for step in "${reported[@]}"; do
   {
     echo "$who: $step failed; the last 30 lines of its output ($(shown "$log")):"
     tail -n 30 "$log" | sed 's/^/    | /'
+    if grep -q 'No space left on device' "$log"; then
+      echo "$who: the disk is full ($(disk_free) free now where the caches live, $(shown "$cache")):" \
+        "$DISK_NEED. Free some room, or point KVFLEET_CACHE at a bigger disk."
+    fi
     if grep -qxF "$step" "$state/fatal"; then
       echo "$who: fix that and rerun, or run 'bash $step' alone."
     else

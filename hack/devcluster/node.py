@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -545,13 +545,45 @@ def _start_containerd(root: Path, workdir: Path, logs: Path, timeout: float = 60
 
 
 def _import_built_images(images: Mapping[str, tuple[list[str], str | None]]) -> dict[str, float]:
-    """Import each of ``images`` (``_built_images()``) unless containerd has that build; seconds each."""
+    """Import each of ``images`` (``_built_images()``) unless containerd has that build, then let the store
+    keep only what runs: seconds each (``drop_what_no_pod_runs``: ``"store"``)."""
     seconds: dict[str, float] = {}
     for name, (refs, image_id) in images.items():
         started = time.monotonic()
         import_podman_image(refs, image_id)
         seconds[name] = time.monotonic() - started
+    started = time.monotonic()
+    drop_what_no_pod_runs([refs for refs, _ in images.values()])
+    seconds["store"] = time.monotonic() - started
     return seconds
+
+
+def stale_refs(present: Iterable[str], current: Iterable[Sequence[str]]) -> list[str]:
+    """The refs in ``present`` that name an earlier build of an image in ``current`` (each image's refs):
+    same repository, a tag none of its current refs has. Other repositories' refs are never stale."""
+    keep = {ref for refs in current for ref in refs}
+    repositories = {ref.rsplit(":", 1)[0] for refs in current for ref in refs}
+    return sorted(
+        ref for ref in present if ref not in keep and ref.rsplit(":", 1)[0] in repositories and ":" in ref
+    )
+
+
+def drop_what_no_pod_runs(current: Iterable[Sequence[str]]) -> None:
+    """Keep the node's containerd store to what its pods run (the engine image alone is 7 GB, and every
+    change to the runtime builds it again under a new content tag):
+
+    * earlier builds of ``current``'s images lose their names (``ctr images rm``), so the collector
+      drops their snapshots and blobs;
+    * the layer blobs of every unpacked image are let go (``ctr content prune references``: what the CRI
+      plugin's ``discard_unpacked_layers`` does for a pull): containers start from the unpacked snapshots,
+      so the blobs only doubled the store. An import writes a new build's layers again, and unpacks only
+      those whose snapshot is missing."""
+    images = [list(refs) for refs in current]
+    listed = ctr("images", "ls", "-q", check=False)
+    if listed.returncode == 0:
+        for ref in stale_refs(listed.stdout.decode().split(), images):
+            ctr("images", "rm", ref, check=False)
+    ctr("content", "prune", "references", check=False)
 
 
 def ensure_pause_image(workdir: Path) -> None:

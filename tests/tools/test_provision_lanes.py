@@ -36,9 +36,15 @@ STEPS = {
 NOISE_LINES = 50  # more than the tail printed on failure
 
 
-def _tree(tmp_path: Path, fail: str = "", lint_fails: bool = False, late_s: float | None = None) -> Path:
-    """A copy of the scripts under test with stand-in steps and tools; `fail` names a step that exits 7;
-    `late_s` makes the late steps (30-node, 40-images) take that long."""
+def _tree(
+    tmp_path: Path,
+    fail: str = "",
+    lint_fails: bool = False,
+    late_s: float | None = None,
+    last_words: str = "",
+) -> Path:
+    """A copy of the scripts under test with stand-in steps and tools; `fail` names a step that exits 7,
+    after printing `last_words`; `late_s` makes the late steps (30-node, 40-images) take that long."""
     hack = tmp_path / "hack"
     (hack / "provision.d").mkdir(parents=True)
     for script in ("test.sh", "demo.sh", "provision.sh", "lint.sh"):
@@ -52,7 +58,9 @@ def _tree(tmp_path: Path, fail: str = "", lint_fails: bool = False, late_s: floa
             f"echo '{name} start' $(date +%s.%N) >>'{tmp_path}/order'\n"
             f"for i in $(seq {NOISE_LINES}); do echo '{name} noise' $i; done\n"
             f"echo '[build-cluster 10:00:00] {name}-group: done in 3 s'\n"
-            f"sleep {seconds}\necho '{name} end' $(date +%s.%N) >>'{tmp_path}/order'\nexit {status}\n"
+            f"sleep {seconds}\necho '{name} end' $(date +%s.%N) >>'{tmp_path}/order'\n"
+            + (f"echo '{last_words}'\n" if status and last_words else "")
+            + f"exit {status}\n"
         )
     venv = tmp_path / ".venv/bin"
     venv.mkdir(parents=True)
@@ -126,9 +134,14 @@ def test_the_lanes_run_side_by_side_each_in_order_one_line_per_step(tmp_path: Pa
         in (root / "cache/logs/provision/10-cluster.log").read_text()
     )
     others = [line for line in lines if not line.startswith(("==> ", "<== ", "[0:"))]
-    assert len(others) == 2, others  # the first line (lanes, where the logs are) and the last
+    assert len(others) == 3, others  # the first lines (lanes, where the logs are; the disk) and the last
     assert others[0].startswith("provisioning: 4 steps in 2 lanes side by side (build: 10-cluster, 30-node;")
-    assert others[1].startswith("provisioning: done in 0:0")
+    assert re.fullmatch(
+        rf"disk: [0-9.]+[KMGT]? free where kvfleet's caches live \({root / 'cache'}\); a new machine needs "
+        r"about \d+ GB while it provisions, \d+ GB once provisioned",
+        others[1],
+    )
+    assert others[2].startswith("provisioning: done in 0:0")
     log = (root / "cache/logs/provision/20-engine.log").read_text()
     assert f"20-engine noise {NOISE_LINES}" in log
     # A second run says how long each step took last time here.
@@ -171,6 +184,22 @@ def test_a_failed_step_stops_its_lane_fails_the_run_and_shows_its_log(tmp_path: 
         timeout=60,
     ).stdout
     assert both.index("    | 20-engine noise") > both.index("<== hack/provision.d/30-node.sh")
+
+
+def test_a_step_that_filled_the_disk_is_told_so(tmp_path: Path) -> None:
+    """pip, go and podman each say it their own way, but every one of them quotes the kernel's words."""
+    root = _tree(tmp_path, fail="40-images", last_words="Error: writing blob: No space left on device")
+    done = _run(root, "provision.sh", "--for", "make test")
+    assert done.returncode == 1
+    assert re.search(
+        rf"^make test: the disk is full \([0-9.]+[KMGT]? free now where the caches live, {root / 'cache'}\): "
+        r"a new machine needs about \d+ GB while it provisions, \d+ GB once provisioned\. Free some room, "
+        r"or point KVFLEET_CACHE at a bigger disk\.$",
+        done.stderr,
+        re.M,
+    )
+    other = _run(_tree(tmp_path / "other", fail="40-images"), "provision.sh")
+    assert other.returncode == 1 and "the disk is full" not in other.stderr
 
 
 def test_opting_out_continues_past_a_failed_step(tmp_path: Path) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from ci_cold import LIMIT_S, figures_of, go_builds_in_step_logs, main, parse_log
+from ci_cold import LIMIT_S, DiskWatch, disk_figures, figures_of, go_builds_in_step_logs, main, parse_log
 
 pytestmark = pytest.mark.unit
 
@@ -199,3 +200,22 @@ def test_a_demo_log_gives_the_time_and_lines_until_its_report() -> None:
     assert figures["until_report_s"].median == 1680 and figures["lines_until_report"].median == 7
     assert "limit_s" not in figures  # CI's limit is not the demo's
     assert parse_log(LOG.splitlines()).until_report_s is None
+
+
+def test_the_disk_watch_keeps_the_fullest_moment_and_the_end() -> None:
+    """A run that fills 30 GB for a while and leaves 12 GB behind: both are read, whatever the samples
+    between (the fullest one is kept, not the last)."""
+    readings = iter([100e9, 90e9, 70e9, 85e9])
+    last = [100e9]
+
+    def free() -> int:
+        last[0] = next(readings, 88e9)
+        return int(last[0])
+
+    watch = DiskWatch(Path("."), every=0.001, free=free)
+    with watch:
+        while last[0] != 88e9:  # every scripted reading taken
+            time.sleep(0.001)
+    figures = disk_figures(watch)
+    assert figures["disk_peak_gb"].median == 30.0
+    assert figures["disk_end_gb"].median == 12.0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from devcluster.__main__ import main
+from devcluster.node import stale_refs
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +39,26 @@ def test_no_images_built_yet_is_said(
     assert main(["preload-images"]) == 1
     err = capsys.readouterr().err
     assert f"no images built yet ({tmp_path / 'cache' / 'images' / 'images.json'})" in err
+
+
+def test_earlier_builds_of_the_imported_images_are_stale_and_nothing_else() -> None:
+    """After an import the node's store keeps each image's current refs; an earlier content tag of the
+    same repository goes, and so does nothing of another repository (the pause image, say)."""
+    current = [
+        ["ghcr.io/kvfleet/kvfleet-engine:0.1.0-bbb", "ghcr.io/kvfleet/kvfleet-engine:0.1.0"],
+        ["ghcr.io/kvfleet/kvfleet:0.1.0-ccc", "ghcr.io/kvfleet/kvfleet:0.1.0"],
+    ]
+    present = [
+        "ghcr.io/kvfleet/kvfleet-engine:0.1.0-aaa",
+        "ghcr.io/kvfleet/kvfleet-engine:0.1.0-bbb",
+        "ghcr.io/kvfleet/kvfleet-engine:0.1.0",
+        "ghcr.io/kvfleet/kvfleet:0.1.0-ccc",
+        "ghcr.io/kvfleet/kvfleet:0.1.0",
+        "ghcr.io/kvfleet/kvfleet:0.0.9-ddd",
+        "localhost/kvfleet/pause:1.0",
+        "sha256:0123abcd",
+    ]
+    assert stale_refs(present, current) == [
+        "ghcr.io/kvfleet/kvfleet-engine:0.1.0-aaa",
+        "ghcr.io/kvfleet/kvfleet:0.0.9-ddd",
+    ]
