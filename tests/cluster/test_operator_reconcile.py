@@ -238,8 +238,12 @@ def test_examples_create_exactly_the_expected_objects(full_cluster: ControlPlane
     )
 
 
+#: The example's tenants: bank on its dedicated pool, the others on the shared one.
+ALL_EXAMPLE_TENANTS = ("bank", "saas", "startup-a", "startup-b")
+
+
 def _readiness_report(plane: ControlPlane, namespace: str) -> str:
-    lines = [f"bank Ready: {condition(tenant(plane, namespace, 'bank'))}"]
+    lines = [f"{name} Ready: {condition(tenant(plane, namespace, name))}" for name in ALL_EXAMPLE_TENANTS]
     for resource in ("statefulsets", "deployments"):
         for obj in get(plane, f"/apis/apps/v1/namespaces/{namespace}/{resource}")["items"]:
             lines.append(f"{resource} {obj['metadata']['name']}: {obj.get('status')}")
@@ -276,16 +280,18 @@ def test_engine_pods_land_on_the_right_gpu_nodes(full_cluster: ControlPlane, exa
     # The scheduler saw the GPU requests: each shared replica takes a whole 8-GPU node.
     assert engines["qwen72b-engine-0"] != engines["qwen72b-engine-1"]
 
+    # Each pool gets Ready on its own: the dedicated one (bank) may be ahead of the shared one.
     def all_ready() -> bool:
         _converge(full_cluster, examples_ns)
-        return condition(tenant(full_cluster, examples_ns, "bank")).get("status") == "True"
+        return all(
+            condition(tenant(full_cluster, examples_ns, name)).get("status") == "True"
+            for name in ALL_EXAMPLE_TENANTS
+        )
 
     try:
-        wait_for(all_ready, timeout=120, interval=2, what="tenant bank Ready")
-    except AssertionError as exc:  # say why: the condition, the workloads' and the pods' status
+        wait_for(all_ready, timeout=120, interval=2, what="every tenant Ready")
+    except AssertionError as exc:  # say why: the conditions, the workloads' and the pods' status
         raise AssertionError(f"{exc}\n{_readiness_report(full_cluster, examples_ns)}") from None
-    for name in ("saas", "startup-a", "startup-b"):
-        assert condition(tenant(full_cluster, examples_ns, name))["status"] == "True"
     md = get(full_cluster, f"/apis/kvfleet.io/v1alpha1/namespaces/{examples_ns}/modeldeployments/qwen72b")
     assert condition(md)["status"] == "True"
     assert md["status"]["kvCapacity"]["perReplica"]["hbm"]["tokens"] > 0
