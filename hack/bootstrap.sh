@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# A new checkout where an earlier one stood (a CI clone): the .venv this machine kept, when it matches.
+hack/venv-cache.sh restore
 stamp=.venv/.kvfleet-installed
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ]; then
   exit 0

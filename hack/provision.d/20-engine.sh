@@ -24,3 +24,6 @@ echo "engine: tiny model"
 # answered once here for the tiny model's class, and copied into each start's cache (seconds when done).
 .venv/bin/python -m kvfleet_runtime engine prime-vllm-cache ||
   fail "priming vLLM's model-class cache failed (exit $?)"
+# The next checkout at this place starts from this .venv (hack/venv-cache.sh; seconds instead of minutes).
+hack/venv-cache.sh save ||
+  echo "20-engine: .venv not kept for the next checkout (hack/venv-cache.sh save); it installs it again"
