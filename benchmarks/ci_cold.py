@@ -9,8 +9,10 @@ of output is written to ``WORKDIR/log`` behind the time it was printed (``HH:MM:
 a log. podman's image store is a new one under ``WORKDIR`` too (``CONTAINERS_STORAGE_CONF``), so every image
 is built from nothing; ``--warm-images`` keeps root's own store (images built before are found by their
 content tags). What stays warm: the machine's own tools (Go, Python) and the Debian packages the
-provisioning steps install with apt when missing (podman, containerd, prometheus, ...). Disk: about 35 GB
-under ``WORKDIR`` (25 GB with ``--warm-images``).
+provisioning steps install with apt when missing (podman, containerd, prometheus, ...). Disk: about 45 GB
+under ``WORKDIR`` at the fullest, 30 GB at the end (15 GB less with ``--warm-images``). With ``--warm``
+(a provisioned machine), the clone's ``.venv`` is the copy the machine kept for a checkout at that place
+(``hack/venv-cache.sh``) when it has one: give the same WORKDIR each time.
 
     .venv/bin/python benchmarks/ci_cold.py run WORKDIR [--warm-images] [--results PATH]  # about 1 hour
     .venv/bin/python benchmarks/ci_cold.py run WORKDIR --warm   # a provisioned machine: ci_warm.json
@@ -347,9 +349,12 @@ def run_cold(
     watch = DiskWatch(workdir)
     if disk is not None:
         disk.append(watch)
+    argv = ["make", "demo"] if demo else [".ci/run"]
     with log.open("w") as out, watch:
+        # The run's first line, before the command prints any: the clock starts with the command.
+        out.write(f"{time.strftime('%H:%M:%S')} $ {' '.join(argv)}\n")
         proc = subprocess.Popen(
-            ["make", "demo"] if demo else [".ci/run"],
+            argv,
             cwd=repo,
             env=env,
             stdout=subprocess.PIPE,

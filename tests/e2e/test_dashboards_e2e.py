@@ -375,8 +375,10 @@ def provoke_reconcile_errors(system: System) -> None:
             },
         },
     }
-    errors = f'sum({RECONCILES}{{outcome="error"}})'
-    before = _max_value(system.prom, errors)
+    # What the panel shows: a rate needs one series that steps. The first error of a kind creates that
+    # kind's series and a later one of the same kind makes its rate non-zero; two errors of two kinds make
+    # two series that never step (a warm CI run's failure, when the sum of errors was what this waited on).
+    stepped = f'sum by (kind) (rate({RECONCILES}{{outcome="error"}}[1m])) > 0'
 
     def update_refused() -> bool:
         probe = {"metadata": {"annotations": {"kvfleet.io/e2e-probe": str(time.time())}}}
@@ -397,8 +399,12 @@ def provoke_reconcile_errors(system: System) -> None:
             content_type="application/merge-patch+json",
         )
         assert status == 200, body
-        # Two steps: the first error creates the series, the second makes its rate non-zero.
-        _wait_until_at_least(system.prom, errors, before + 2, "reconciles failed on the refused update")
+        wait_for(
+            lambda: bool(system.prom.query(stepped)),
+            timeout=90,
+            interval=1,
+            what=f"reconciles failed on the refused update: {stepped}",
+        )
     finally:
         plane.request("DELETE", f"{api}/validatingadmissionpolicybindings/{name}")
         plane.request("DELETE", f"{api}/validatingadmissionpolicies/{name}")
