@@ -315,11 +315,23 @@ install_prometheus() {
 }
 
 drop_build_cache() {
-  [ -d "$GOCACHE" ] || { log "go build cache: none to drop"; return; }
-  local size
-  size=$(du -sh "$GOCACHE" | cut -f1)
-  rm -rf "$GOCACHE"
-  log "go build cache: dropped $GOCACHE ($size; every binary is built)"
+  local size legacy
+  if [ -d "$GOCACHE" ]; then
+    size=$(du -sh "$GOCACHE" | cut -f1)
+    rm -rf "$GOCACHE"
+    log "go build cache: dropped $GOCACHE ($size; every binary is built)"
+  else
+    log "go build cache: none to drop"
+  fi
+  # Before kvfleet had a build cache of its own, its builds filled Go's default one (8 GB), where nothing
+  # tells its entries from others': emptied once (`go clean -cache`: Go builds again what it needs).
+  legacy=$(env -u GOCACHE go env GOCACHE)
+  if [ ! -f "$STAMPS/go-default-cache-emptied" ] && [ -d "$legacy" ] && [ "$legacy" != "$GOCACHE" ]; then
+    size=$(du -sh "$legacy" | cut -f1)
+    GOCACHE=$legacy go clean -cache
+    log "go build cache: emptied Go's default one, $legacy ($size), which kvfleet's builds filled before"
+  fi
+  touch "$STAMPS/go-default-cache-emptied"
 }
 
 steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus gateway-api"}
