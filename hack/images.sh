@@ -15,8 +15,9 @@
 # Tags come from the content: <version>-<hash of every input> (base, Dockerfile, the files copied in), e.g.
 # ghcr.io/kvfleet/kvfleet:0.1.0-3f2a9c1d0b4e. Each image is also tagged <version> (0.1.0): the chart's
 # default, so `helm install` with default values runs exactly what this script built. An image whose
-# content tag exists already is not rebuilt; its earlier builds (other content tags) are removed. pip's downloads are cached across builds in
-# $KVFLEET_CACHE/pip (default ~/.cache/kvfleet/pip), the base tarball in $KVFLEET_CACHE/images.
+# content tag exists already is not rebuilt; its earlier builds (other content tags) are removed. pip's
+# downloads are cached across builds in $KVFLEET_CACHE/pip (default ~/.cache/kvfleet/pip), the base
+# tarball in $KVFLEET_CACHE/images.
 # Each build appends {"image", "seconds", "pip_cache_mb_before", ...} to $KVFLEET_CACHE/images/builds.jsonl
 # and the refs built are written to $KVFLEET_CACHE/images/images.json (read by the real node tier).
 set -euo pipefail

@@ -57,7 +57,8 @@ done
 cache=${KVFLEET_CACHE:-$HOME/.cache/kvfleet}
 logs=$cache/logs/provision
 mkdir -p "$logs"
-# What a provisioned machine holds (benchmarks/results/ci_cold.json: disk_peak_gb, disk_end_gb).
+# What the project keeps on a machine, and needs besides while a cold run provisions (docs/benchmarks.md,
+# "Disk": the sizes `du` read of each cache).
 DISK_NEED="a new machine needs about 45 GB while it provisions, 30 GB once provisioned"
 disk_free() { df -h --output=avail "$cache" | tail -1 | tr -d ' '; }
 interval=${KVFLEET_PROGRESS_INTERVAL:-300}
