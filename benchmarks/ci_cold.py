@@ -328,13 +328,12 @@ def run_cold(
     warm: bool = False,
     demo: bool = False,
     in_place: bool = False,
-    disk: list[DiskWatch] | None = None,
-) -> tuple[Path, int, Path]:
+) -> tuple[Path, int, Path, DiskWatch]:
     """Clone HEAD into ``workdir/repo``, run ``.ci/run`` (with ``demo``: ``make demo``) there on empty
     caches under ``workdir`` (with ``warm``: on the machine's own caches, as on a provisioned machine; with
     ``in_place``: on the machine's own caches emptied first, which leaves the machine provisioned again and
-    needs no room for a second copy); the log, the exit status and the folder of the steps' own logs.
-    ``disk``: a list that gets the run's ``DiskWatch`` (from after the caches were emptied)."""
+    needs no room for a second copy); the log, the exit status, the folder of the steps' own logs and the
+    run's ``DiskWatch`` (from after the caches were emptied)."""
     if workdir.exists() and any(workdir.iterdir()):
         raise SystemExit(f"{workdir} is not empty: give a new folder (every cache under it must start empty)")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -347,8 +346,6 @@ def run_cold(
     if not warm and not in_place:
         Path(env["XDG_CACHE_HOME"]).mkdir(parents=True, exist_ok=True)
     watch = DiskWatch(workdir)
-    if disk is not None:
-        disk.append(watch)
     argv = ["make", "demo"] if demo else [".ci/run"]
     with log.open("w") as out, watch:
         # The run's first line, before the command prints any: the clock starts with the command.
@@ -367,7 +364,8 @@ def run_cold(
             out.flush()
         status = proc.wait()
     home_cache = Path(env.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return log, status, Path(env.get("KVFLEET_CACHE", home_cache / "kvfleet")) / "logs" / "provision"
+    step_logs = Path(env.get("KVFLEET_CACHE", home_cache / "kvfleet")) / "logs" / "provision"
+    return log, status, step_logs, watch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -426,9 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if demo and args.results == default_path(NAME):
         args.results = default_path(DEMO_NAME)
     step_logs: Path | None = None
-    disk: list[DiskWatch] = []
+    disk: DiskWatch | None = None
     if args.command == "run":
-        log, status, step_logs = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place, disk)
+        log, status, step_logs, disk = run_cold(args.workdir, args.warm_images, warm, demo, args.in_place)
     else:
         log, status, step_logs = args.log, args.exit_status, args.step_logs
     run = parse_log(log.read_text().splitlines())
@@ -449,8 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:  # the load while the logged run ran is not in the log: say what the caller knows
         machine = Machine(cores=os.cpu_count() or 1, load=args.load_note or "not recorded")
     figures = figures_of(run)
-    for watch in disk:
-        figures |= disk_figures(watch)
+    if disk is not None:
+        figures |= disk_figures(disk)
     results = measured(
         name_of(args.results),
         command,

@@ -174,7 +174,6 @@ build_image() {  # kvfleet|engine
     podman tag "$ref" "$REGISTRY/$name:$VERSION"
     record "$t" "$ref" 0 true "$pip_before"
     BUILT_REF[$t]=$ref
-    drop_earlier_builds "$name" "$ref"
     return
   fi
   local ctx=$IMAGES_CACHE/context-$t
@@ -186,7 +185,6 @@ build_image() {  # kvfleet|engine
   log "$t: done in $((SECONDS - start)) s; $(podman image inspect --format '{{.Size}}' "$ref" | numfmt --to=iec) "
   record "$t" "$ref" $((SECONDS - start)) false "$pip_before"
   BUILT_REF[$t]=$ref
-  drop_earlier_builds "$name" "$ref"
 }
 
 check_gpu_file() {
@@ -206,7 +204,7 @@ total=$SECONDS
 for t in "${targets[@]}"; do
   case $t in
     base) build_base ;;
-    *) build_base; build_image "$t" ;;
+    *) build_base; build_image "$t"; drop_earlier_builds "${REPO_NAME[$t]}" "${BUILT_REF[$t]}" ;;
   esac
 done
 [ "$check_gpu" = 0 ] || check_gpu_file

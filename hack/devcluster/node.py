@@ -459,15 +459,15 @@ def image_config_digest(manifest_digest: str) -> str | None:
     return image_config_digest(str(manifests[0]["digest"])) if len(manifests) == 1 else None
 
 
-def import_podman_image(refs: list[str], image_id: str | None = None) -> None:
+def import_podman_image(refs: list[str], image_id: str | None = None) -> bool:
     """``podman save`` one image under all of ``refs`` (the first: its content tag) into
     ``ctr -n k8s.io images import``, unless containerd has every ref on one image already, and that image
     is ``image_id`` (podman's image ID, when given): a content tag names the inputs, not the build, so an
-    image rebuilt from the same inputs (a new podman store, say) is imported again."""
+    image rebuilt from the same inputs (a new podman store, say) is imported again. Whether it imported."""
     digests = {ref: image_digest(ref) for ref in refs}
     manifest = digests[refs[0]] if len(set(digests.values())) == 1 else None
     if manifest is not None and (image_id is None or image_config_digest(manifest) == f"sha256:{image_id}"):
-        return
+        return False
     # `ctr images import` leaves an existing name where it points: drop the names first, so the version tag
     # (the chart's default) moves to this build.
     for ref in refs:
@@ -496,6 +496,7 @@ def import_podman_image(refs: list[str], image_id: str | None = None) -> None:
         raise RuntimeError(
             f"importing {missing} failed: podman save {save.returncode}; ctr: {imported.stderr.decode()}"
         )
+    return True
 
 
 def preload_images(workdir: Path, timeout: float = 60.0) -> dict[str, float]:
@@ -545,20 +546,22 @@ def _start_containerd(root: Path, workdir: Path, logs: Path, timeout: float = 60
 
 
 def _import_built_images(images: Mapping[str, tuple[list[str], str | None]]) -> dict[str, float]:
-    """Import each of ``images`` (``_built_images()``) unless containerd has that build, then let the store
-    keep only what runs: seconds each (``drop_what_no_pod_runs``: ``"store"``)."""
+    """Import each of ``images`` (``_built_images()``) unless containerd has that build; after an import,
+    the store keeps only what runs. Seconds each (``drop_what_no_pod_runs``: ``"store"``)."""
     seconds: dict[str, float] = {}
+    imported = False
     for name, (refs, image_id) in images.items():
         started = time.monotonic()
-        import_podman_image(refs, image_id)
+        imported |= import_podman_image(refs, image_id)
         seconds[name] = time.monotonic() - started
-    started = time.monotonic()
-    drop_what_no_pod_runs([refs for refs, _ in images.values()])
-    seconds["store"] = time.monotonic() - started
+    if imported:
+        started = time.monotonic()
+        drop_what_no_pod_runs([refs for refs, _ in images.values()])
+        seconds["store"] = time.monotonic() - started
     return seconds
 
 
-def stale_refs(present: Iterable[str], current: Iterable[Sequence[str]]) -> list[str]:
+def stale_refs(present: Iterable[str], current: Sequence[Sequence[str]]) -> list[str]:
     """The refs in ``present`` that name an earlier build of an image in ``current`` (each image's refs):
     same repository, a tag none of its current refs has. Other repositories' refs are never stale."""
     keep = {ref for refs in current for ref in refs}
@@ -568,7 +571,7 @@ def stale_refs(present: Iterable[str], current: Iterable[Sequence[str]]) -> list
     )
 
 
-def drop_what_no_pod_runs(current: Iterable[Sequence[str]]) -> None:
+def drop_what_no_pod_runs(current: Sequence[Sequence[str]]) -> None:
     """Keep the node's containerd store to what its pods run (the engine image alone is 7 GB, and every
     change to the runtime builds it again under a new content tag):
 
@@ -578,10 +581,9 @@ def drop_what_no_pod_runs(current: Iterable[Sequence[str]]) -> None:
       plugin's ``discard_unpacked_layers`` does for a pull): containers start from the unpacked snapshots,
       so the blobs only doubled the store. An import writes a new build's layers again, and unpacks only
       those whose snapshot is missing."""
-    images = [list(refs) for refs in current]
     listed = ctr("images", "ls", "-q", check=False)
     if listed.returncode == 0:
-        for ref in stale_refs(listed.stdout.decode().split(), images):
+        for ref in stale_refs(listed.stdout.decode().split(), current):
             ctr("images", "rm", ref, check=False)
     ctr("content", "prune", "references", check=False)
 
