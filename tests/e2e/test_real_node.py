@@ -400,14 +400,16 @@ def test_prometheus_discovers_every_pod_and_scrapes_per_tenant_series(
             ("kvfleet_engine_kv_quota_blocks", "engine", salted),
             ("kvfleet_lmcache_quota_bytes", "engine", salted),
         ):
-            result = wait_for(
-                lambda metric=metric, component=component: prometheus.query(
-                    f'{metric}{{job="{POD_DISCOVERY_JOB}",component="{component}"}}'
-                ),
-                f"{metric} from the {component} pod",
-                60,
-            )
-            assert tenants and tenants <= {r["metric"].get("tenant") for r in result}, (metric, result)
+            query = f'{metric}{{job="{POD_DISCOVERY_JOB}",component="{component}"}}'
+
+            def every_tenant(query: str = query, tenants: set[str] = tenants) -> list[Any] | None:
+                # A scrape before the requests above holds only the series already there (a probe's
+                # ``_unauthenticated``, say): wait for the scrape that holds every tenant's.
+                result = prometheus.query(query)
+                return result if tenants <= {r["metric"].get("tenant") for r in result} else None
+
+            assert tenants, metric
+            wait_for(every_tenant, f"{metric} for {sorted(tenants)} from the {component} pod", 60)
         operator = prometheus.query(f'kvfleet_operator_tenants{{job="{POD_DISCOVERY_JOB}"}}')
         assert operator and {r["metric"]["namespace"] for r in operator} == {RELEASE_NS}, operator
         # vLLM's own series come through the engine's metrics port too.
