@@ -314,6 +314,23 @@ install_prometheus() {
   log "prometheus: $(prometheus --version 2>&1 | head -1)"
 }
 
+install_shared_store() {
+  # The gateway replicas' shared store in tests and benchmarks (hack/devcluster/shared_store.py starts
+  # its own on a free port; the package's service is never started).
+  if command -v redis-server >/dev/null; then
+    log "redis-server: installed ($(redis-server --version | cut -d' ' -f3))"
+    return
+  fi
+  log "redis-server: apt-get install redis-server (Debian package)"
+  "$ROOT/hack/apt-install.sh" redis-server
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
+    $sudo systemctl stop redis-server && $sudo systemctl disable redis-server || true
+  fi
+  log "redis-server: $(redis-server --version | cut -d' ' -f3)"
+}
+
 drop_build_cache() {
   local size legacy
   if [ -d "$GOCACHE" ]; then
@@ -334,7 +351,7 @@ drop_build_cache() {
   touch "$STAMPS/go-default-cache-emptied"
 }
 
-steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus gateway-api"}
+steps=${KVFLEET_BUILD_STEPS:-"etcd kubernetes kwok helm prometheus shared-store gateway-api"}
 total_start=$SECONDS
 for step in $steps; do
   case $step in
@@ -343,6 +360,7 @@ for step in $steps; do
     kwok) build_kwok ;;
     helm) build_helm ;;
     prometheus) install_prometheus ;;
+    shared-store) install_shared_store ;;
     gateway-api) copy_gateway_api_crds ;;
     node) install_node_packages; build_kubelet; build_pause; build_coredns; build_kube_router; build_prometheus_k8s ;;
     node-packages) install_node_packages ;;

@@ -2,7 +2,7 @@
 # lane: fetch
 # what: the Debian packages of the other steps (podman, containerd, Prometheus, ...), in one apt run
 # takes: ~2 min cold on 2 cores, a second warm
-# Every Debian package a later step installs (10-cluster: prometheus; 30-node: containerd, runc, the CNI
+# Every Debian package a later step installs (10-cluster: prometheus, redis-server; 30-node: containerd, runc, the CNI
 # plugins, ipset, conntrack, iptables; 40-images: podman, mmdebstrap, uidmap), installed in one apt
 # transaction at the start of the fetch lane: one `apt-get update`, one dpkg run and one round of
 # triggers instead of three, and none of it in the build lane, whose Go builds are the longest path.
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-packages=(prometheus containerd runc containernetworking-plugins ipset conntrack iptables podman mmdebstrap uidmap)
+packages=(prometheus redis-server containerd runc containernetworking-plugins ipset conntrack iptables podman mmdebstrap uidmap)
 if [ "$(id -u)" != 0 ] && ! sudo -n true 2>/dev/null; then
   echo "05-packages: not root and no passwordless sudo: installing nothing here (the steps that need" \
     "${packages[*]} say so)"
@@ -30,7 +30,7 @@ hack/apt-install.sh "${packages[@]}" || {
 # Installed as packages, never started as services: the tests start their own (hack/apt-install.sh
 # refuses service starts); a unit an earlier install enabled is stopped here, as the later steps do.
 if command -v systemctl >/dev/null; then
-  for unit in prometheus containerd; do
+  for unit in prometheus redis-server containerd; do
     if systemctl is-active --quiet "$unit" 2>/dev/null; then
       $sudo systemctl stop "$unit" && $sudo systemctl disable "$unit" || true
     fi

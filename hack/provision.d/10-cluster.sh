@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # lane: build
-# what: the local Kubernetes control plane, helm and Prometheus, built from source with Go
+# what: the local Kubernetes control plane, helm and Prometheus, built from source with Go; Redis (Debian's)
 # takes: ~22 min cold on 2 cores, seconds warm
 # Provision the real local Kubernetes control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, etcd, kwok + stage configs, helm) and Prometheus/promtool for the cluster tests.
+# kube-scheduler, kubectl, etcd, kwok + stage configs, helm), Prometheus/promtool for the cluster tests and
+# redis-server for the gateway replicas' shared store.
 # Idempotent: a warm run only checks stamps (seconds). Binaries go to $KVFLEET_CACHE/bin
 # (default ~/.cache/kvfleet/bin), never into the repository.
 #

@@ -23,6 +23,9 @@ SAMPLES: dict[Any, tuple[str, Any]] = {
     s.non_negative_int: ("0", 0),
     s.replica_count: ("3", 3),
     s.vtc_or_fifo: ("fifo", False),
+    s.shared_store_url: ("rediss://store.kvfleet-system:6380/0", "rediss://store.kvfleet-system:6380/0"),
+    s.sync_interval: ("0.1", 0.1),
+    str: ("ca.pem", "ca.pem"),
     s.host_list: ("Images.Example.COM,cdn.example.com", frozenset({"images.example.com", "cdn.example.com"})),
 }
 #: Settings only code sets (tests, benchmarks): no flag.
@@ -63,6 +66,9 @@ def test_each_flag_sets_its_own_field_and_nothing_else(field: str) -> None:
         (["--fair-queuing", "random"], "wants vtc or fifo, got 'random'"),
         (["--max-connections-per-source", "-1"], "wants an integer of 0 or more"),
         (["--allowed-media-domains", "http://x"], "--allowed-media-domains"),
+        (["--shared-store", "http://store:6379"], "wants a redis://host:port"),
+        (["--shared-store", "redis://:hunter2@store:6379"], "KVFLEET_SHARED_STORE_PASSWORD"),
+        (["--shared-store-sync", "1"], "at most 0.25"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_flag(

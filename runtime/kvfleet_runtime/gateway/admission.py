@@ -9,6 +9,11 @@ Contract (one ``TenantGate`` per tenant, per gateway process):
   limit (concurrency: unless it is below the replica count); a tenant whose traffic reaches the replicas
   unevenly (one keep-alive connection lands on one replica) gets less than its limit, down to one
   replica's share. No shared store is involved, so a replica never waits on another.
+* **With a shared store** (``--shared-store``, ``gateway.shared_store``) the replicas split the requests
+  and tokens per minute by where each tenant's traffic lands instead (``gateway.shares``): the store's
+  sync sets each gate's fractions (``TenantGate.set_fractions``) from the demand every replica counts
+  (``TenantGate.demand``, which the gate feeds with every request that reaches a bucket), and puts them
+  back to ``1 / replicas`` when the store cannot be reached. Concurrency stays split evenly.
 * ``requests_per_minute`` and ``tokens_per_minute`` are token buckets holding one minute of the share
   and refilling continuously. A request that finds its bucket short is refused at once with the seconds
   until it would fit (``Throttled.retry_after``, sent as ``Retry-After``).
@@ -317,9 +322,12 @@ class GateLimits:
         """The concurrent requests this replica admits."""
         return None if self.max_concurrent is None else max(1, self.max_concurrent // self.replicas)
 
-    def describe(self, limit: int, unit: str) -> str:
-        share = f" (this gateway replica admits 1/{self.replicas} of it)" if self.replicas > 1 else ""
-        return f"{limit} {unit}{share}"
+    def describe(self, limit: int, unit: str, shared: bool = False) -> str:
+        if self.replicas <= 1 and not shared:
+            return f"{limit} {unit}"
+        if shared:
+            return f"{limit} {unit}, shared by the gateway replicas"
+        return f"{limit} {unit} (this gateway replica admits 1/{self.replicas} of it)"
 
 
 @dataclass
@@ -372,11 +380,21 @@ class GateSlot:
 class TenantGate:
     """Admission state of one tenant (see the module docstring for the contract)."""
 
-    def __init__(self, limits: GateLimits, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        limits: GateLimits,
+        clock: Clock = time.monotonic,
+        demand: Callable[[float, float], None] | None = None,
+    ) -> None:
         self._clock = clock
         self.rpm: TokenBucket | None = None
         self.tpm: TokenBucket | None = None
         self.limits = limits
+        #: What each request asked of this replica (requests, tokens), for the shared store's split;
+        #: ``None`` without one.
+        self.demand = demand
+        #: This replica's fractions of the requests and tokens per minute; ``None``: ``1 / replicas``.
+        self.fractions: tuple[float, float] | None = None
         self.in_flight = 0
         self.kv_in_flight = 0
         self._waiters: deque[_Waiter] = deque()
@@ -391,8 +409,26 @@ class TenantGate:
         """Apply new limits (hot reload) without losing in-flight accounting or bucket levels."""
         self.limits = limits
         self._concurrency_share = limits.concurrency_share
-        self.rpm = self._bucket(self.rpm, limits.requests_share)
-        self.tpm = self._bucket(self.tpm, limits.tokens_share)
+        self._apply_rates()
+        self._wake()
+
+    def set_fractions(self, fractions: tuple[float, float] | None) -> None:
+        """This replica's fractions of the tenant's requests and tokens per minute (the shared store's
+        split), or ``None`` for the static ``1 / replicas``. Bucket levels are kept (capped)."""
+        if fractions != self.fractions:
+            self.fractions = fractions
+            self._apply_rates()
+
+    def _apply_rates(self) -> None:
+        limits = self.limits
+        if self.fractions is None:
+            rpm, tpm = limits.requests_share, limits.tokens_share
+        else:
+            rpm_f, tpm_f = self.fractions
+            rpm = None if limits.requests_per_minute is None else limits.requests_per_minute * rpm_f
+            tpm = None if limits.tokens_per_minute is None else limits.tokens_per_minute * tpm_f
+        self.rpm = self._bucket(self.rpm, rpm)
+        self.tpm = self._bucket(self.tpm, tpm)
         # What ``rate_limit_headers`` writes for each bucket that is set; the limit's text only changes
         # here, so it is formatted once, not per response.
         self._header_plan = tuple(
@@ -400,7 +436,6 @@ class TenantGate:
             for bucket, names in ((self.rpm, _REQUEST_HEADERS), (self.tpm, _TOKEN_HEADERS))
             if bucket is not None
         )
-        self._wake()
 
     def _bucket(self, bucket: TokenBucket | None, per_minute: float | None) -> TokenBucket | None:
         if per_minute is None:
@@ -419,11 +454,15 @@ class TenantGate:
         if self.rpm is not None:
             wait = self.rpm.wait_for(1)
             if wait > 0:
+                if self.demand is not None:
+                    self.demand(1.0, 0.0)
                 raise self._rpm_throttled(wait)
 
     def _rpm_throttled(self, wait: float) -> Throttled:
         assert self.limits.requests_per_minute is not None
-        limit = self.limits.describe(self.limits.requests_per_minute, "requests per minute")
+        limit = self.limits.describe(
+            self.limits.requests_per_minute, "requests per minute", self.fractions is not None
+        )
         return Throttled("requests_per_minute", wait, f"rate limit reached: {limit}")
 
     def rate_limit_headers(self) -> dict[str, str]:
@@ -486,6 +525,8 @@ class TenantGate:
     def _admit_now(self, token_estimate: int, kv_tokens: int) -> GateSlot | None:
         """Charge the rate buckets (``Throttled`` when one is short) and take a slot when one is free and
         nobody waits for it; ``None``: the request must wait (``_wait_for_room``)."""
+        if self.demand is not None:
+            self.demand(1.0, float(token_estimate))
         if self.rpm is not None:
             wait = self.rpm.try_take(1)
             if wait > 0:
@@ -495,12 +536,13 @@ class TenantGate:
             if wait > 0:
                 if self.rpm is not None:
                     self.rpm.adjust(-1)
-                assert self.limits.tokens_per_minute is not None
+                tpm_limit = self.limits.tokens_per_minute
+                assert tpm_limit is not None
                 raise Throttled(
                     "tokens_per_minute",
                     wait,
                     "rate limit reached: "
-                    f"{self.limits.describe(self.limits.tokens_per_minute, 'tokens per minute')} "
+                    f"{self.limits.describe(tpm_limit, 'tokens per minute', self.fractions is not None)} "
                     f"(this request is estimated at {token_estimate} tokens)",
                 )
         if not self._waiters and self._blocker(kv_tokens) is None:

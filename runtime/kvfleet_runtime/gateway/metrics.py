@@ -53,6 +53,9 @@ REPLICA_HEALTHY: Final = "kvfleet_gateway_replica_healthy"
 OPEN_CONNECTIONS: Final = "kvfleet_gateway_open_connections"
 ENGINE_QUEUE_DEPTH: Final = "kvfleet_gateway_engine_queue_depth"
 FAIR_VIRTUAL_TOKENS: Final = "kvfleet_gateway_fair_virtual_tokens"
+SHARED_STORE_UP: Final = "kvfleet_gateway_shared_store_up"
+SHARED_STORE_REPLICAS: Final = "kvfleet_gateway_shared_store_replicas"
+SHARED_STORE_SYNCS_TOTAL: Final = "kvfleet_gateway_shared_store_syncs_total"
 CONNECTIONS_CLOSED_TOTAL: Final = "kvfleet_gateway_connections_closed_total"
 RESPONSES_TOTAL: Final = "kvfleet_gateway_responses_total"
 
@@ -324,6 +327,23 @@ class GatewayMetrics:
             "The tenant's fair-queuing virtual counter: weighted tokens served divided by its weight "
             "(lifted to its tier's smallest when it returns from idle).",
             ("tenant",),
+            registry=r,
+        )
+        self.shared_store_up = Gauge(
+            SHARED_STORE_UP,
+            "1 while this replica splits the rate limits with the other gateway replicas through the shared "
+            "store; 0 while it enforces its static share (1/replicas): no store configured, or unreachable.",
+            registry=r,
+        )
+        self.shared_store_replicas = Gauge(
+            SHARED_STORE_REPLICAS,
+            "Gateway replicas (this one included) the last successful sync with the shared store saw.",
+            registry=r,
+        )
+        self.shared_store_syncs = Counter(
+            SHARED_STORE_SYNCS_TOTAL.removesuffix("_total"),
+            "Syncs with the shared store, by outcome (ok, error).",
+            ("outcome",),
             registry=r,
         )
         self.in_flight = LocalFamily(

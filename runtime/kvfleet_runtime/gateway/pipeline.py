@@ -83,6 +83,7 @@ from kvfleet_runtime.gateway.rewrite import (
 )
 from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
 from kvfleet_runtime.gateway.settings import GatewaySettings
+from kvfleet_runtime.gateway.shared_store import SharedLimits, settings_from_env
 from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
 from kvfleet_runtime.kv.fairness import TokenCost
 
@@ -176,6 +177,22 @@ class Pipeline:
         self._health_wakeup = asyncio.Event()
         #: Health checks in a row that timed out, by (pool, replica URL).
         self._probe_timeouts: dict[tuple[str, str], int] = {}
+        #: The rate limits' split with the other gateway replicas (``--shared-store``); ``None``: 1/N each.
+        self.shared_limits: SharedLimits | None = None
+        if settings.shared_store_url is not None:
+            self.shared_limits = SharedLimits(
+                settings_from_env(
+                    settings.shared_store_url, settings.shared_store_ca, settings.shared_store_sync_s
+                ),
+                gates=lambda: self.gates,
+                scope=lambda: self.snapshot.table.model_deployment if self.snapshot else "-",
+                metrics=self.metrics,
+            )
+            self.metrics.shared_store_up.set_function(self.shared_limits.is_up)
+            self.metrics.shared_store_replicas.set_function(lambda: float(self._shared_replicas()))
+
+    def _shared_replicas(self) -> int:
+        return self.shared_limits.replicas_seen if self.shared_limits is not None else 0
 
     # -- configuration ------------------------------------------------------------------------------
     def apply_snapshot(self, snapshot: GatewaySnapshot) -> None:
@@ -189,7 +206,8 @@ class Pipeline:
             limits = self._limits_for(tenant)
             gate = self.gates.get(name)
             if gate is None:
-                self.gates[name] = TenantGate(limits)
+                demand = self.shared_limits.demand_recorder(name) if self.shared_limits else None
+                self.gates[name] = TenantGate(limits, demand=demand)
             else:
                 gate.update_limits(limits)
             policies[name] = self._policy_for(tenant, limits)
@@ -291,6 +309,9 @@ class Pipeline:
             asyncio.create_task(self.watcher.run(), name="kvfleet-config-watcher"),
             asyncio.create_task(self._health_loop(), name="kvfleet-health"),
         ]
+        if self.shared_limits is not None:
+            await self.shared_limits.sync_once()
+            self._tasks.append(asyncio.create_task(self.shared_limits.run(), name="kvfleet-shared-store"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -298,6 +319,8 @@ class Pipeline:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.shared_limits is not None:
+            await self.shared_limits.close()
         if self.session is not None:
             await self.session.close()
         if self._parse_pool is not None:

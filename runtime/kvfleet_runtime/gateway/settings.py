@@ -49,6 +49,34 @@ def replica_count(value: str) -> int:
     return positive_int(value) if value else 1
 
 
+def shared_store_url(value: str) -> str | None:
+    """``--shared-store``: a redis://, rediss:// or unix:// URL, or empty (an unset variable) for none."""
+    if not value:
+        return None
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(
+            "wants a redis://host:port, rediss://host:port (TLS) or unix:///path URL, "
+            f"got {value.rsplit('@', maxsplit=1)[-1]!r}"
+        )
+    if "@" in value.split("//", 1)[1].split("/", 1)[0]:
+        raise argparse.ArgumentTypeError(
+            "carries credentials: give the password in $KVFLEET_SHARED_STORE_PASSWORD instead (a flag is "
+            "visible to every process on the node)"
+        )
+    return value
+
+
+def sync_interval(value: str) -> float:
+    """``--shared-store-sync``: seconds, more than 0 and at most 0.25."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds, got {value!r}") from None
+    if not 0 < seconds <= 0.25:
+        raise argparse.ArgumentTypeError(f"wants seconds above 0 and at most 0.25, got {value!r}")
+    return seconds
+
+
 def vtc_or_fifo(value: str) -> bool:
     """``--fair-queuing``: ``vtc`` (True) or ``fifo`` (False)."""
     if value not in ("vtc", "fifo"):
@@ -143,6 +171,29 @@ class GatewaySettings:
         "(default: $KVFLEET_GATEWAY_REPLICAS, else 1)",
         replica_count,
         env="KVFLEET_GATEWAY_REPLICAS",
+    )
+    #: ``gateway.shared_store``; the password comes from ``$KVFLEET_SHARED_STORE_PASSWORD``, never a flag.
+    shared_store_url: str | None = setting(
+        None,
+        "--shared-store",
+        "Redis or Valkey URL (redis://host:port, rediss:// for TLS) through which the gateway replicas "
+        "split each tenant's rate limits by where its traffic lands instead of 1/N each; the password "
+        "comes from $KVFLEET_SHARED_STORE_PASSWORD. Unreachable: each replica falls back to 1/N within "
+        "a second (default: $KVFLEET_SHARED_STORE, else none)",
+        shared_store_url,
+        env="KVFLEET_SHARED_STORE",
+    )
+    shared_store_ca: str | None = setting(
+        None,
+        "--shared-store-ca",
+        "CA bundle that verifies a rediss:// store's certificate (default: the system's CAs)",
+        str,
+    )
+    shared_store_sync_s: float = setting(
+        0.2,
+        "--shared-store-sync",
+        "seconds between two syncs with the shared store (at most 0.25: the fallback comes within a second)",
+        sync_interval,
     )
     max_queue: int = setting(64, "--max-queue", "per-tenant admission queue length", int)
     max_queue_wait_s: float = setting(10.0, "--queue-timeout", "seconds a request may wait queued", float)
