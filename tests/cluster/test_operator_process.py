@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import json
 import os
 import random
 import signal
@@ -33,7 +34,12 @@ from test_operator_reconcile import (
 )
 
 from factories import free_port
+from kvfleet_operator.build.gateway_store import PASSWORD_DATA_KEY, GatewayStore
 from kvfleet_runtime.config import TenantTable
+
+#: The gateways' shared store the operator process is given, and the Secret holding its password.
+STORE = GatewayStore("redis://store.platform.svc:6379/0", password="store-password-0123456789abcdef")
+STORE_SECRET = {"name": "gateway-store", "key": "password"}
 
 
 class OperatorProcess:
@@ -56,6 +62,10 @@ class OperatorProcess:
             # The same images as the in-process CONFIG, so both render identical objects.
             "KVFLEET_ENGINE_IMAGE": CONFIG.images.engine,
             "KVFLEET_GATEWAY_IMAGE": CONFIG.images.gateway,
+            # The chart's gatewaySharedStore, its password in a Secret of the operator's namespace.
+            "KVFLEET_GATEWAY_SHARED_STORE": json.dumps(
+                {"url": STORE.url, "namespace": self.namespace, "passwordSecret": STORE_SECRET}
+            ),
             "PYTHONUNBUFFERED": "1",
         }
         self.proc = subprocess.Popen(
@@ -106,6 +116,16 @@ def running(
     create(full_cluster, load_example("modeldeployment-qwen72b.yaml", namespace))
     for name in ("tenant-saas.yaml", "tenant-startup-a.yaml", "tenant-startup-b.yaml"):
         create(full_cluster, load_example(name, namespace))
+    assert STORE.password is not None
+    create(
+        full_cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": STORE_SECRET["name"], "namespace": namespace},
+            "data": {STORE_SECRET["key"]: _b64(STORE.password)},
+        },
+    )
     operator = OperatorProcess(full_cluster, namespace, tmp_path_factory.mktemp("operator"))
     operator.start()
     wait_for(
@@ -189,6 +209,28 @@ def test_drift_is_repaired_within_ten_seconds(full_cluster: ControlPlane, runnin
     assert p99 <= 10.0
 
 
+def test_the_gateways_get_the_shared_store_with_its_password_copied_into_the_keys_secret(
+    full_cluster: ControlPlane, running: tuple[str, Any]
+) -> None:
+    """The operator read the platform's Secret at start-up and rendered the store for the gateway: the URL
+    as a flag, the password in the ModelDeployment's keys Secret (which the gateway pods mount) and, from
+    there, in the gateway's environment, never on its command line."""
+    namespace, _ = running
+    deployment = get(full_cluster, f"/apis/apps/v1/namespaces/{namespace}/deployments/qwen72b-gateway")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[command.index("--shared-store") + 1] == STORE.url
+    assert STORE.password is not None and STORE.password not in json.dumps(deployment)
+    assert container["env"] == [
+        {
+            "name": "KVFLEET_SHARED_STORE_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "qwen72b-keys", "key": PASSWORD_DATA_KEY}},
+        }
+    ]
+    keys = get(full_cluster, f"/api/v1/namespaces/{namespace}/secrets/qwen72b-keys")
+    assert base64.b64decode(keys["data"][PASSWORD_DATA_KEY]).decode() == STORE.password
+
+
 def test_killing_the_operator_mid_reconcile_always_converges(
     full_cluster: ControlPlane, running: tuple[str, Any]
 ) -> None:
@@ -215,7 +257,9 @@ def test_killing_the_operator_mid_reconcile_always_converges(
     # Everything converged: an extra reconcile (with the operator's own master key) has nothing left
     # to do, and nothing is orphaned.
     master = get(full_cluster, f"/api/v1/namespaces/{namespace}/secrets/kvfleet-salt-master")
-    config = dataclasses.replace(CONFIG, salt_master=base64.b64decode(master["data"]["master-key"]))
+    config = dataclasses.replace(
+        CONFIG, salt_master=base64.b64decode(master["data"]["master-key"]), gateway_store=STORE
+    )
     _, mutations = reconcile(full_cluster, namespace, "qwen72b", config)
     assert mutations == 0
     children = owned_children(full_cluster, namespace, "qwen72b")

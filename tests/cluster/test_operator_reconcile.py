@@ -19,8 +19,9 @@ import yaml
 from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane
 
+from kvfleet_operator.build.gateway_store import GatewayStore, parse_gateway_store
 from kvfleet_operator.build.model_deployment import OperatorImages
-from kvfleet_operator.handlers.reconcile import OperatorConfig, reconcile_model_deployment
+from kvfleet_operator.handlers.reconcile import OperatorConfig, load_gateway_store, reconcile_model_deployment
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import Credentials, KubeClient
 from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt, hash_api_key
@@ -296,6 +297,47 @@ def test_engine_pods_land_on_the_right_gpu_nodes(full_cluster: ControlPlane, exa
     assert condition(md)["status"] == "True"
     assert md["status"]["kvCapacity"]["perReplica"]["hbm"]["tokens"] > 0
     assert md["status"]["guaranteed"]["tenants"] == 4
+
+
+def test_the_shared_stores_secrets_are_read_at_start_up_and_a_missing_one_is_named(
+    full_cluster: ControlPlane, examples_ns: str
+) -> None:
+    """What the operator does at start-up with the chart's gatewaySharedStore, against the real API server:
+    a Secret that is not there stops it with a message naming the Secret and the chart value (kopf retries
+    the start-up, so creating the Secret is the fix); once there, the password and CA are read."""
+    ref = parse_gateway_store(
+        json.dumps(
+            {
+                "url": "rediss://store.platform.svc:6380",
+                "namespace": examples_ns,
+                "passwordSecret": {"name": "gateway-store", "key": "password"},
+                "caSecret": {"name": "gateway-store", "key": "ca.crt"},
+            }
+        )
+    )
+    with pytest.raises(
+        ValueError, match=f"gatewaySharedStore.passwordSecret: Secret {examples_ns}/gateway-store"
+    ):
+        run(_with_client(full_cluster, lambda client: load_gateway_store(client, ref)))
+    data = {"password": "cGFzc3dvcmQtMDEyMzQ1Njc4OWFiY2RlZg==", "ca.crt": "LS0tLS1CRUdJTg=="}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "gateway-store", "namespace": examples_ns},
+    }
+    create(full_cluster, {**doc, "data": {"ca.crt": data["ca.crt"]}})
+    with pytest.raises(ValueError, match=r"has no data key 'password' \(it has \['ca.crt'\]\)"):
+        run(_with_client(full_cluster, lambda client: load_gateway_store(client, ref)))
+    full_cluster.request(
+        "PATCH",
+        f"/api/v1/namespaces/{examples_ns}/secrets/gateway-store",
+        {"data": {"password": data["password"]}},
+        content_type="application/merge-patch+json",
+    )
+    store = run(_with_client(full_cluster, lambda client: load_gateway_store(client, ref)))
+    assert store == GatewayStore(
+        "rediss://store.platform.svc:6380", "password-0123456789abcdef", "-----BEGIN"
+    )
 
 
 def test_second_reconcile_of_converged_object_mutates_nothing(

@@ -17,6 +17,7 @@ from devcluster import find_binary
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS
 
 from components import missing_component
+from kvfleet_operator.build.gateway_store import parse_gateway_store
 from netpol_eval import ContainerPort, Namespace, Pod, allowed_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +143,33 @@ def test_operator_deployment() -> None:
         "requests": {"cpu": "100m", "memory": "256Mi"},
         "limits": {"memory": "512Mi"},
     }
+
+
+def test_the_shared_store_reaches_the_operator_only_when_it_has_a_url() -> None:
+    """``gatewaySharedStore`` becomes ``KVFLEET_GATEWAY_SHARED_STORE`` (JSON the operator parses with
+    ``build.gateway_store.parse_gateway_store``) with the release namespace, the Secrets that are named;
+    nothing without a URL. A URL with credentials is refused by the schema."""
+
+    def env(*args: str) -> dict[str, str]:
+        (container,) = only(render(*args), "Deployment")["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+    assert "KVFLEET_GATEWAY_SHARED_STORE" not in env("--set", "gatewaySharedStore.passwordSecret.name=pw")
+    value = env(
+        "--set", "gatewaySharedStore.url=rediss://store.platform:6380/2",
+        "--set", "gatewaySharedStore.passwordSecret.name=pw",
+    )["KVFLEET_GATEWAY_SHARED_STORE"]  # fmt: skip
+    ref = parse_gateway_store(value)
+    assert ref is not None and ref.url == "rediss://store.platform:6380/2"
+    assert ref.namespace == "kvfleet-system" and ref.ca_secret is None
+    assert ref.password_secret is not None and (ref.password_secret.name, ref.password_secret.key) == (
+        "pw",
+        "password",
+    )
+    done = helm(
+        "template", "kvfleet", str(CHART), "--set", "gatewaySharedStore.url=redis://u:secret@store:6379"
+    )
+    assert done.returncode != 0 and "gatewaySharedStore/url" in done.stderr
 
 
 def test_operator_replicas_spread_and_a_disruption_budget_only_with_more_than_one() -> None:

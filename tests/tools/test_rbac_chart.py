@@ -174,6 +174,29 @@ def test_the_release_namespace_secret_is_the_salt_master_by_name_only() -> None:
     ]
 
 
+def test_the_shared_stores_secrets_are_read_by_name_only_and_only_when_a_store_is_set() -> None:
+    """``gatewaySharedStore``: the operator reads the store's password and CA Secrets (in the release
+    namespace) by name, with ``get`` alone; named Secrets without a URL grant nothing."""
+    store = (
+        "--set", "gatewaySharedStore.passwordSecret.name=store-password",
+        "--set", "gatewaySharedStore.caSecret.name=store-ca",
+    )  # fmt: skip
+
+    def rules(*args: str) -> list[dict[str, Any]]:
+        docs = _render(*SCOPES["listed-namespaces"], *store, *args)
+        return next(d for d in docs if d["metadata"]["name"] == "kvfleet-salt-master")["rules"]
+
+    assert rules()[1:] == []
+    assert rules("--set", "gatewaySharedStore.url=rediss://store.platform:6380")[1:] == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["store-password", "store-ca"],
+            "verbs": ["get"],
+        }
+    ]
+
+
 @pytest.mark.parametrize("args", SCOPES.values(), ids=SCOPES.keys())
 def test_leader_election_reads_and_renews_its_lease_by_name_only(args: tuple[str, ...]) -> None:
     """The Lease: get and update limited to its name, create (which RBAC cannot limit by name) on Leases of

@@ -149,3 +149,28 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
 {{- if .Values.rbac.inferencePool }}{{ $kinds = append $kinds "InferencePool" }}{{ end -}}
 {{- join "," $kinds -}}
 {{- end -}}
+
+{{/*
+The gateways' shared store as the operator reads it (KVFLEET_GATEWAY_SHARED_STORE, JSON): its URL, the
+release namespace, and the Secrets that are named.
+*/}}
+{{- define "kvfleet.gatewaySharedStore" -}}
+{{- $s := .Values.gatewaySharedStore -}}
+{{- $out := dict "url" $s.url "namespace" .Release.Namespace -}}
+{{- if $s.passwordSecret.name }}{{- $_ := set $out "passwordSecret" $s.passwordSecret -}}{{- end -}}
+{{- if $s.caSecret.name }}{{- $_ := set $out "caSecret" $s.caSecret -}}{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/*
+The Secrets of the gateways' shared store the operator may read (a JSON list; empty without a store).
+*/}}
+{{- define "kvfleet.gatewaySharedStoreSecrets" -}}
+{{- $s := .Values.gatewaySharedStore -}}
+{{- $names := list -}}
+{{- if $s.url -}}
+{{- if $s.passwordSecret.name }}{{- $names = append $names $s.passwordSecret.name -}}{{- end -}}
+{{- if $s.caSecret.name }}{{- $names = append $names $s.caSecret.name -}}{{- end -}}
+{{- end -}}
+{{- $names | uniq | toJson -}}
+{{- end -}}

@@ -43,6 +43,7 @@ from kvfleet_operator.build.gateway import (
     build_pdb,
     epp_tls_mounts,
     epp_tls_volume,
+    front_door_env,
     front_door_resources,
     gateway_settings_args,
     runtime_config_mounts,
@@ -104,6 +105,7 @@ def _epp_container(g: GatewayWorkload) -> Obj:
         "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
         "securityContext": restricted_container_security(),
         "volumeMounts": runtime_config_mounts() + epp_tls_mounts(g),
+        **front_door_env(g),
     }
 
 

@@ -44,6 +44,7 @@ from kvfleet_operator.build.common import (
     selector_labels,
 )
 from kvfleet_operator.build.engine import build_node_loss_tolerations
+from kvfleet_operator.build.gateway_store import GatewayStore, gateway_store_args, gateway_store_env
 
 #: Seconds a gateway pod keeps serving after Kubernetes decides to stop it and before it gets SIGTERM (the
 #: preStop sleep): long enough for the pod's removal from the Service's endpoints to reach every node's
@@ -85,6 +86,9 @@ class GatewayWorkload:
     inference_pool: InferencePoolSpec | None = None
     #: ``spec.gateway.endpointPicker.tlsSecretName``: TLS on the picker's gRPC port; ``None``: plaintext.
     epp_tls_secret: str | None = None
+    #: The store the replicas split rate limits through (the chart's ``gatewaySharedStore``); ``None``:
+    #: each replica enforces 1/replicas of every limit.
+    shared_store: GatewayStore | None = None
 
 
 def gateway_engine_in_flight(engine_in_flight_per_replica: int, gateway_replicas: int) -> int:
@@ -134,8 +138,8 @@ def runtime_config_args() -> list[str]:
 
 
 def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
-    """The replica count (each replica enforces 1/replicas of every tenant's rate limits), the drain time,
-    and what the spec and the chart set."""
+    """The replica count (each replica enforces 1/replicas of every tenant's rate limits, unless a shared
+    store splits them by demand), the drain time, and what the spec and the chart set."""
     return [
         "--replicas",
         str(g.replicas),
@@ -144,6 +148,7 @@ def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
         *gateway_fair_queuing_args(g),
         *gateway_connection_args(g),
         *gateway_media_args(g),
+        *gateway_store_args(g.shared_store),
     ]
 
 
@@ -256,7 +261,15 @@ def _gateway_container(g: GatewayWorkload) -> Obj:
         "lifecycle": {"preStop": {"sleep": {"seconds": GATEWAY_PRESTOP_SLEEP_S}}},
         "securityContext": restricted_container_security(),
         "volumeMounts": runtime_config_mounts(),
+        **front_door_env(g),
     }
+
+
+def front_door_env(g: GatewayWorkload) -> Obj:
+    """The environment of a container that runs the tenancy pipeline (the gateway, the Endpoint Picker):
+    the shared store's password, when there is one."""
+    env = gateway_store_env(g.shared_store, g.model_deployment)
+    return {"env": env} if env else {}
 
 
 def _envoy_container(g: GatewayWorkload) -> Obj:

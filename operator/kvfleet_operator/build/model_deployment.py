@@ -52,6 +52,7 @@ from kvfleet_operator.build.gateway import (
     build_gateway_service,
     gateway_endpoint,
 )
+from kvfleet_operator.build.gateway_store import GatewayStore, gateway_store_secret_data
 from kvfleet_operator.build.gpu_groups import tolerates_gpu_groups
 from kvfleet_operator.build.monitoring import (
     build_engine_pod_monitor,
@@ -239,7 +240,7 @@ def build_config_map(md: ModelDeployment, table: TenantTable) -> Obj:
     }
 
 
-def build_keys_secret(md: ModelDeployment, keys: KeyFile) -> Obj:
+def build_keys_secret(md: ModelDeployment, keys: KeyFile, store: GatewayStore | None = None) -> Obj:
     name = str(md.metadata["name"])
     return {
         "apiVersion": "v1",
@@ -248,7 +249,7 @@ def build_keys_secret(md: ModelDeployment, keys: KeyFile) -> Obj:
             keys_secret_name(name), str(md.metadata["namespace"]), object_labels(name, "config"), owner_of(md)
         ),
         "type": "Opaque",
-        "data": {KEY_FILE_KEY: b64(dump_json(keys))},
+        "data": {KEY_FILE_KEY: b64(dump_json(keys)), **gateway_store_secret_data(store)},
     }
 
 
@@ -264,6 +265,7 @@ def build_desired_children(
     operator: OperatorPeer | None = None,
     media_hosts: tuple[str, ...] = (),
     inference_pool_served: bool = True,
+    gateway_store: GatewayStore | None = None,
 ) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, dedicated pools, and the
     shared pool's KV tier across replicas when ``spec.kvCache.shared`` enables it.
@@ -273,6 +275,7 @@ def build_desired_children(
     ``operator``: the operator's pods, admitted to the engines' metrics port to read their KV capacity.
     ``media_hosts``: the hosts whose media URLs the gateway lets through and the engines fetch from (the
     chart's ``allowedMediaHosts``; empty: only ``data:`` URLs).
+    ``gateway_store``: the store the gateway replicas split rate limits through (``build.gateway_store``).
     ``inference_pool_served``: the operator may manage InferencePools and the cluster serves their API.
     With ``spec.gateway.inferencePool`` the InferencePools are built either way (the reconcile withholds
     them and says why, ``reconcile.steps.withhold_exposure``), but only when served does anything route to
@@ -289,7 +292,11 @@ def build_desired_children(
         workloads = [replace(w, allowed_media_domains=media_hosts) for w in workloads]
     endpoints = {w.pool: PoolEndpoints(tuple(replica_endpoints(w, ENGINE_PORT))) for w in workloads}
     table = build_tenant_table(md, capacity, tenants, decisions, endpoints)
-    gateway = replace(_gateway_workload(md, images, inference_pool_served), allowed_media_domains=media_hosts)
+    gateway = replace(
+        _gateway_workload(md, images, inference_pool_served),
+        allowed_media_domains=media_hosts,
+        shared_store=gateway_store,
+    )
     envoy = gateway.data_plane is DataPlane.ENVOY
     # The platform gateway's pods, admitted to the engines and the EPP only while InferencePools are served.
     peers = (
@@ -297,7 +304,7 @@ def build_desired_children(
     )
     children: list[Obj] = [
         build_config_map(md, table),
-        build_keys_secret(md, keys),
+        build_keys_secret(md, keys, gateway_store),
         build_gateway_deployment(gateway),
         build_gateway_service(gateway),
         # Envoy serves no metrics: the EPP's are the gateway's (build_epp_service_monitor).

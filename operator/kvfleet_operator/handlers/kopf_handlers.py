@@ -30,6 +30,7 @@ from kopf._cogs.structs.references import Selector  # not re-exported by kopf; d
 from kvfleet_operator import metrics
 from kvfleet_operator.api.common import GROUP, VERSION
 from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
+from kvfleet_operator.build.gateway_store import parse_gateway_store
 from kvfleet_operator.build.gpu_groups import parse_gpu_group_owners
 from kvfleet_operator.build.guardrails import GUARDRAILS_ENV, parse_guardrails
 from kvfleet_operator.build.model_deployment import OperatorImages
@@ -37,6 +38,7 @@ from kvfleet_operator.build.network import parse_metrics_scrapers, parse_operato
 from kvfleet_operator.handlers.faults import crash_point
 from kvfleet_operator.handlers.reconcile import (
     OperatorConfig,
+    load_gateway_store,
     load_salt_master,
     reconcile_model_deployment,
     tenants_referencing,
@@ -67,6 +69,8 @@ MEMO_IDENTITY = "kvfleet_identity"
 METRICS_SCRAPERS_ENV = "KVFLEET_METRICS_SCRAPERS"
 #: Hosts whose media URLs the gateways and engines allow (the chart's ``allowedMediaHosts``, comma-separated).
 MEDIA_HOSTS_ENV = "KVFLEET_ALLOWED_MEDIA_HOSTS"
+#: The gateways' shared store (chart value ``gatewaySharedStore``), JSON (``build/gateway_store.py``).
+GATEWAY_STORE_ENV = "KVFLEET_GATEWAY_SHARED_STORE"
 #: The operator's own pods as a NetworkPolicy peer (the chart sets it from its release).
 OPERATOR_PEER_ENV = "KVFLEET_OPERATOR_PEER"
 #: Comma-separated exposure kinds the chart lets the operator manage (``Ingress``, ``HTTPRoute``; chart
@@ -149,34 +153,39 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
     )
     await client.__aenter__()
     try:
-        monitoring = await client.api_group_exists("monitoring.coreos.com/v1")
-    except ApiError:
-        monitoring = False
+        try:
+            monitoring = await client.api_group_exists("monitoring.coreos.com/v1")
+        except ApiError:
+            monitoring = False
+        config = OperatorConfig(
+            salt_master=await load_salt_master(client, SALT_SECRET),
+            images=OperatorImages(
+                engine=os.environ.get("KVFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
+                gateway=os.environ.get("KVFLEET_GATEWAY_IMAGE", DEFAULT_GATEWAY_IMAGE),
+            ),
+            monitoring=monitoring,
+            watch_namespaces=tuple(memo.get(MEMO_WATCH_NAMESPACES) or ()),
+            # A malformed binding stops the start-up: a group must never go to someone nobody named.
+            gpu_group_owners=parse_gpu_group_owners(os.environ.get(GPU_GROUP_OWNERS_ENV)),
+            # A malformed value stops the start-up with pydantic's message: never a policy nobody asked for.
+            metrics_scrapers=parse_metrics_scrapers(os.environ.get(METRICS_SCRAPERS_ENV)),
+            # Quotas are admitted against the KV blocks the engines report once they do (their metrics port).
+            engine_capacity=EngineCapacityReader(),
+            operator_peer=parse_operator_peer(os.environ.get(OPERATOR_PEER_ENV)),
+            exposure=kinds.parse_exposure_kinds(os.environ.get(EXPOSURE_KINDS_ENV)),
+            # A malformed value stops the start-up too: an allowlist with a typo must not silently allow less
+            # or more than the platform meant.
+            guardrails=parse_guardrails(os.environ.get(GUARDRAILS_ENV)),
+            # As strict: a host name with a typo must not silently allow another host.
+            media_hosts=parse_media_hosts(os.environ.get(MEDIA_HOSTS_ENV, "")),
+            # A store the gateways could not log in to stops the start-up, naming the Secret.
+            gateway_store=await load_gateway_store(
+                client, parse_gateway_store(os.environ.get(GATEWAY_STORE_ENV))
+            ),
+        )
     except BaseException:
         await client.__aexit__()  # kopf retries start-up: do not leak a session per attempt
         raise
-    config = OperatorConfig(
-        salt_master=await load_salt_master(client, SALT_SECRET),
-        images=OperatorImages(
-            engine=os.environ.get("KVFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
-            gateway=os.environ.get("KVFLEET_GATEWAY_IMAGE", DEFAULT_GATEWAY_IMAGE),
-        ),
-        monitoring=monitoring,
-        watch_namespaces=tuple(memo.get(MEMO_WATCH_NAMESPACES) or ()),
-        # A malformed binding stops the start-up: a group must never go to someone nobody named.
-        gpu_group_owners=parse_gpu_group_owners(os.environ.get(GPU_GROUP_OWNERS_ENV)),
-        # A malformed value stops the start-up with pydantic's message: never a policy nobody asked for.
-        metrics_scrapers=parse_metrics_scrapers(os.environ.get(METRICS_SCRAPERS_ENV)),
-        # Quotas are admitted against the KV blocks the engines report once they do (their metrics port).
-        engine_capacity=EngineCapacityReader(),
-        operator_peer=parse_operator_peer(os.environ.get(OPERATOR_PEER_ENV)),
-        exposure=kinds.parse_exposure_kinds(os.environ.get(EXPOSURE_KINDS_ENV)),
-        # A malformed value stops the start-up too: an allowlist with a typo must not silently allow less
-        # or more than the platform meant.
-        guardrails=parse_guardrails(os.environ.get(GUARDRAILS_ENV)),
-        # As strict: a host name with a typo must not silently allow another host.
-        media_hosts=parse_media_hosts(os.environ.get(MEDIA_HOSTS_ENV, "")),
-    )
     memo["kvfleet"] = OperatorState(client, config)
 
 

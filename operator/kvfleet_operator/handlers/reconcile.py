@@ -36,6 +36,7 @@ from kvfleet_operator.build.common import (
     owned_selector,
     selector_labels,
 )
+from kvfleet_operator.build.gateway_store import GatewayStore, GatewayStoreRef, read_secret_key
 from kvfleet_operator.build.gpu_groups import (
     GroupBinding,
     decide_gpu_group_claims,
@@ -130,6 +131,9 @@ class OperatorConfig:
     #: Hosts whose http(s) media URLs the gateways let through and the engines fetch from (chart value
     #: ``allowedMediaHosts``, ``KVFLEET_ALLOWED_MEDIA_HOSTS``); empty: only ``data:`` URLs.
     media_hosts: tuple[str, ...] = ()
+    #: The store the gateway replicas split rate limits through (chart value ``gatewaySharedStore``,
+    #: ``KVFLEET_GATEWAY_SHARED_STORE``; ``build/gateway_store.py``); ``None``: 1/replicas each.
+    gateway_store: GatewayStore | None = None
 
 
 @dataclass
@@ -395,6 +399,7 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
         c.config.metrics_scrapers,
         c.config.operator_peer,
         c.config.media_hosts,
+        gateway_store=c.config.gateway_store,
         inference_pool_served=kinds.INFERENCE_POOL in c.config.exposure
         and kinds.INFERENCE_POOL not in c.unserved,
     )
@@ -668,6 +673,24 @@ async def load_salt_master(client: KubeClient, ref: str) -> bytes:
             kinds.SECRET, build_salt_master_secret(namespace, name, new_master_key()), force=False
         )
     return read_salt_master(secret, ref)
+
+
+async def load_gateway_store(client: KubeClient, ref: GatewayStoreRef | None) -> GatewayStore | None:
+    """The gateways' shared store with its password and CA read from the release namespace's Secrets
+    (``build/gateway_store.py``); ``ValueError`` naming what is missing stops the start-up: gateways must
+    never be rendered with a store they cannot log in to."""
+    if ref is None:
+        return None
+    password = ca_pem = None
+    if ref.password_secret is not None:
+        secret = await client.get(kinds.SECRET, ref.password_secret.name, ref.namespace)
+        password = read_secret_key(
+            secret, ref.password_secret, ref.namespace, "gatewaySharedStore.passwordSecret"
+        ).strip()
+    if ref.ca_secret is not None:
+        secret = await client.get(kinds.SECRET, ref.ca_secret.name, ref.namespace)
+        ca_pem = read_secret_key(secret, ref.ca_secret, ref.namespace, "gatewaySharedStore.caSecret")
+    return GatewayStore(ref.url, password, ca_pem)
 
 
 async def tenants_referencing(client: KubeClient, namespace: str, name: str) -> list[str]:
