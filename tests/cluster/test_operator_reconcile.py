@@ -18,12 +18,15 @@ import pytest
 import yaml
 from cluster_helpers import apply_crds, create_namespace, delete_namespace, wait_for
 from devcluster import ControlPlane
+from devcluster.shared_store import start_shared_store
 
+from components import missing_component
 from kvfleet_operator.build.gateway_store import GatewayStore, parse_gateway_store
 from kvfleet_operator.build.model_deployment import OperatorImages
 from kvfleet_operator.handlers.reconcile import OperatorConfig, load_gateway_store, reconcile_model_deployment
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import Credentials, KubeClient
+from kvfleet_operator.k8s.gateway_store import GatewayStoreProbe
 from kvfleet_runtime.config import KeyFile, TenantTable, derive_cache_salt, hash_api_key
 from operator_support import bind_namespace_groups
 
@@ -338,6 +341,45 @@ def test_the_shared_stores_secrets_are_read_at_start_up_and_a_missing_one_is_nam
     assert store == GatewayStore(
         "rediss://store.platform.svc:6380", "password-0123456789abcdef", "-----BEGIN"
     )
+
+
+def test_a_shared_store_that_does_not_answer_degrades_the_model_deployment(
+    full_cluster: ControlPlane,
+) -> None:
+    """``SharedStoreUnreachable``: the operator asks the gateways' shared store (a real ``redis-server``
+    with a password) whether it answers, and says on the ModelDeployment when it does not (``Degraded``,
+    still serving: the gateways fall back to their static shares); a wrong password is the same condition,
+    and the condition goes when the store answers again. A namespace of its own: the condition is this
+    test's alone."""
+    try:
+        server = start_shared_store()
+    except FileNotFoundError as exc:
+        missing_component(f"redis-server ({exc})", "bash hack/provision.d/10-cluster.sh")
+    namespace = create_namespace(full_cluster, "store")
+    try:
+        apply_crds(full_cluster)
+        create(full_cluster, load_example("modeldeployment-qwen72b.yaml", namespace))
+        path = f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/modeldeployments/qwen72b"
+
+        def degraded(store: GatewayStore) -> dict[str, Any]:
+            probe = GatewayStoreProbe(store, ttl_s=0, timeout_s=0.5)
+            config = dataclasses.replace(CONFIG, gateway_store=store, gateway_store_probe=probe)
+            reconcile(full_cluster, namespace, "qwen72b", config)
+            return condition(get(full_cluster, path), "Degraded")
+
+        good = GatewayStore(server.url, server.password)
+        assert degraded(good).get("reason") != "SharedStoreUnreachable"
+        wrong = degraded(dataclasses.replace(good, password="not-the-password-0123456789"))
+        assert (wrong.get("status"), wrong.get("reason")) == ("True", "SharedStoreUnreachable"), wrong
+        server.kill()
+        down = degraded(good)
+        assert (down.get("status"), down.get("reason")) == ("True", "SharedStoreUnreachable"), down
+        assert f"127.0.0.1:{server.port}" in down["message"] and server.password not in down["message"]
+        server.start()
+        assert degraded(good).get("reason") != "SharedStoreUnreachable"
+    finally:
+        server.stop()
+        delete_namespace(full_cluster, namespace)
 
 
 def test_second_reconcile_of_converged_object_mutates_nothing(

@@ -98,6 +98,13 @@ figure; tenants admitted before keep theirs (sticky), and the message says wheth
 fit. Raise ``spec.pool.reservePerGpu`` so the estimate matches (the message gives the blocks), or lower
 quotas that no longer fit."""
 
+SHARED_STORE_UNREACHABLE: Final = "SharedStoreUnreachable"
+"""ModelDeployment (``Degraded``; still serving): the gateways' shared store (the chart's
+``gatewaySharedStore``) does not answer the operator, or refuses its password (the message says which), so
+the gateway replicas enforce their static 1/replicas share of every tenant's rate limits: a tenant whose
+traffic lands on one replica gets less than its limit. No request fails. Bring the store back, or fix the
+URL or the password Secret (a new password reaches the operator and the gateways when it restarts)."""
+
 NO_MATCHING_NODES: Final = "NoMatchingNodes"
 """ModelDeployment (its shared pool) or Tenant (its dedicated pool), ``Degraded`` while still
 ``Progressing``: no node can run the engine pods (no node carries the pool's node-selector labels, e.g.
@@ -146,6 +153,7 @@ CONDITION_REASONS: Final = (
     MODEL_DEPLOYMENT_DELETING,
     CAPACITY_UNKNOWN,
     CAPACITY_BELOW_PLAN,
+    SHARED_STORE_UNREACHABLE,
     NO_MATCHING_NODES,
     GUARDRAIL_REFUSED,
     EXPOSURE_UNAVAILABLE,

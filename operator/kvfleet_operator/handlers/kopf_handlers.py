@@ -46,6 +46,7 @@ from kvfleet_operator.handlers.reconcile import (
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, Credentials, KubeClient
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
+from kvfleet_operator.k8s.gateway_store import GatewayStoreProbe
 from kvfleet_operator.k8s.leader import default_identity, user_agent
 from kvfleet_runtime.config import parse_media_hosts
 
@@ -178,11 +179,13 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
             guardrails=parse_guardrails(os.environ.get(GUARDRAILS_ENV)),
             # As strict: a host name with a typo must not silently allow another host.
             media_hosts=parse_media_hosts(os.environ.get(MEDIA_HOSTS_ENV, "")),
-            # A store the gateways could not log in to stops the start-up, naming the Secret.
-            gateway_store=await load_gateway_store(
-                client, parse_gateway_store(os.environ.get(GATEWAY_STORE_ENV))
-            ),
         )
+        # A store the gateways could not log in to stops the start-up, naming the Secret.
+        store = await load_gateway_store(client, parse_gateway_store(os.environ.get(GATEWAY_STORE_ENV)))
+        if store is not None:
+            config = dataclasses.replace(
+                config, gateway_store=store, gateway_store_probe=GatewayStoreProbe(store)
+            )
     except BaseException:
         await client.__aexit__()  # kopf retries start-up: do not leak a session per attempt
         raise

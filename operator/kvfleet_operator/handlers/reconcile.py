@@ -66,6 +66,7 @@ from kvfleet_operator.handlers.faults import crash_point
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, KubeClient
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
+from kvfleet_operator.k8s.gateway_store import GatewayStoreProbe
 from kvfleet_operator.reconcile import status as st
 from kvfleet_operator.reconcile import steps
 from kvfleet_operator.reconcile.capacity import (
@@ -134,6 +135,8 @@ class OperatorConfig:
     #: The store the gateway replicas split rate limits through (chart value ``gatewaySharedStore``,
     #: ``KVFLEET_GATEWAY_SHARED_STORE``; ``build/gateway_store.py``); ``None``: 1/replicas each.
     gateway_store: GatewayStore | None = None
+    #: Asks that store whether it serves (``k8s/gateway_store.py``), for ``SharedStoreUnreachable``.
+    gateway_store_probe: GatewayStoreProbe | None = None
 
 
 @dataclass
@@ -196,6 +199,8 @@ class Cycle:
     withheld: dict[str, str] = field(default_factory=dict)
     plan: list[Action] = field(default_factory=list)
     status_writes: list[st.StatusWrite] = field(default_factory=list)
+    #: Why the gateways' shared store does not serve (``check_gateway_store``); ``None``: it does, or none.
+    store_note: str | None = None
 
 
 Step = Callable[[KubeClient, Cycle], Awaitable[None]]
@@ -576,7 +581,15 @@ async def compute_status(client: KubeClient, c: Cycle) -> None:
         c.engine,
         _capacity_note(c),
         c.tenant_warnings,
+        c.store_note,
     )
+
+
+async def check_gateway_store(client: KubeClient, c: Cycle) -> None:
+    """Whether the gateways' shared store answers (asked at most every few seconds for all
+    ModelDeployments: ``GatewayStoreProbe``), for the ``SharedStoreUnreachable`` condition."""
+    if c.config.gateway_store_probe is not None and c.md is not None:
+        c.store_note = await c.config.gateway_store_probe.problem()
 
 
 async def write_status(client: KubeClient, c: Cycle) -> None:
@@ -610,6 +623,7 @@ STEPS: Final[tuple[Step, ...]] = (
     prune,
     replace_lost_engine_pods,
     record_gauges,
+    check_gateway_store,
 )
 #: Always run after the work, however it ended.
 STATUS_STEPS: Final[tuple[Step, ...]] = (compute_status, write_status)

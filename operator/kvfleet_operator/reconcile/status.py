@@ -164,6 +164,7 @@ def compute_model_deployment_status(
     engine: EngineCapacity | None = None,
     capacity_note: str | None = None,
     shared_tier: WorkloadReadiness | None = None,
+    store_note: str | None = None,
 ) -> Obj:
     """The whole status of ``md`` as it goes on the wire (camelCase). ``placement``: why no node can run
     the shared pool's engine pods (``placement.compute_placement_problems``), reported while they are not
@@ -172,7 +173,9 @@ def compute_model_deployment_status(
     the workloads' (the gateway still serves in the cluster). ``engine``: planned vs reported KV blocks
     (``reconcile/capacity.py``; ``capacity`` is already the figure admission used); ``capacity_note``: why
     the engines hold fewer blocks than planned (``CapacityBelowPlan``, ``Degraded`` like ``exposure``);
-    ``shared_tier``: the shared KV tier's server, when there is one (``Ready`` waits for it too)."""
+    ``shared_tier``: the shared KV tier's server, when there is one (``Ready`` waits for it too);
+    ``store_note``: why the gateways' shared store does not serve (``SharedStoreUnreachable``, ``Degraded``
+    like ``exposure``: the gateways fall back to their static shares)."""
     generation = int(md.metadata.get("generation", 0))
     current = md.status.model_dump(by_alias=True, mode="json")["conditions"] if md.status else []
     name = str(md.metadata["name"])
@@ -197,6 +200,10 @@ def compute_model_deployment_status(
         updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
         if not any(u.type == DEGRADED for u in updates):
             updates.append(ConditionUpdate(DEGRADED, "True", reasons.CAPACITY_BELOW_PLAN, capacity_note))
+    if store_note is not None and problem is None:
+        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
+        if not any(u.type == DEGRADED for u in updates):
+            updates.append(ConditionUpdate(DEGRADED, "True", reasons.SHARED_STORE_UNREACHABLE, store_note))
     status = ModelDeploymentStatus(
         conditions=merge_conditions(current, updates, generation, now),
         observed_generation=generation,
@@ -434,14 +441,15 @@ def compute_served_statuses(
     engine: EngineCapacity | None = None,
     capacity_note: str | None = None,
     tenant_warnings: Mapping[str, ConditionUpdate] | None = None,
+    store_note: str | None = None,
 ) -> list[StatusWrite]:
     """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
     ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
     ``placement``: pool -> why no node can run its engine pods (``NoMatchingNodes`` on the
     ModelDeployment for the shared pool, on the owning Tenant for a dedicated one). ``exposure``: why the
-    Ingress or HTTPRoute is not created (``ExposureUnavailable`` on the ModelDeployment). ``engine`` and
-    ``capacity_note``: see :func:`compute_model_deployment_status`. ``tenant_warnings``: tenant ->
-    its ``Degraded`` condition while it is served (:func:`compute_tenant_status`'s ``warning``).
+    Ingress or HTTPRoute is not created (``ExposureUnavailable`` on the ModelDeployment). ``engine``,
+    ``capacity_note`` and ``store_note``: see :func:`compute_model_deployment_status`. ``tenant_warnings``:
+    tenant -> its ``Degraded`` condition while it is served (:func:`compute_tenant_status`'s ``warning``).
 
     A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
     every other tenant its full status, with the fingerprints of its keys (``keys``). While the
@@ -472,6 +480,7 @@ def compute_served_statuses(
                 engine,
                 capacity_note,
                 shared_tier_readiness(md, children),
+                store_note,
             ),
         )
     ]
