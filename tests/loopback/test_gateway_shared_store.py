@@ -152,3 +152,33 @@ async def test_replicas_split_a_limit_by_where_traffic_lands_and_fall_back_when_
     assert whole * 0.85 <= shared <= whole * 1.05 + 1, (shared, whole)
     assert fell_back_s < 1.0, fell_back_s
     assert half * 0.7 <= static <= half * 1.15 + 1, (static, half)
+
+
+async def test_replicas_share_the_engines_by_weight_when_each_tenant_lands_on_one_replica(
+    tmp_path: Path, store: SharedStoreServer
+) -> None:
+    """Fair queuing across gateway replicas: tenant ``light`` (weight 1) sends only to replica a, ``heavy``
+    (weight 4) only to replica b, both far past what the engines hold at once (each replica may hold 10 on
+    the engine; requests take 0.5 s). Each replica alone would give its own tenant its 10 slots (1:1);
+    with the store the replicas split the pool's 20 slots 4:16, so ``heavy`` is served four times as
+    often as ``light``."""
+    tenants = [TenantRow("light"), TenantRow("heavy", fair_share_weight=4.0)]
+    keys, plain = build_keys(tenants)
+    async with fake_engines(1, delay_s=0.5) as engines, aiohttp.ClientSession() as http:
+        config, keys_path = write_config(tmp_path, build_table(tenants, {"shared": [engines[0].url]}), keys)
+        flags = (
+            "--replicas", "2", "--shared-store", store.url, "--parse-workers", "0",
+            "--engine-in-flight-per-replica", "10", "--queue-timeout", "30",
+        )  # fmt: skip
+        async with (
+            gateway_process(tmp_path, config, keys_path, *flags) as a,
+            gateway_process(tmp_path, config, keys_path, *flags) as b,
+        ):
+            light, heavy = Load(http, a, plain["light"][0]), Load(http, b, plain["heavy"][0])
+            async with light.running(clients=24), heavy.running(clients=24):
+                await asyncio.sleep(3.0)  # both backlogged, the split settled
+                served = await asyncio.gather(light.admitted_in(6.0), heavy.admitted_in(6.0))
+            assert set(light.statuses) | set(heavy.statuses) == {200}, (light.statuses, heavy.statuses)
+    weighted = [served[0] / 1.0, served[1] / 4.0]
+    jain = sum(weighted) ** 2 / (2 * sum(x * x for x in weighted))
+    assert jain >= 0.95 and 3.2 <= served[1] / served[0] <= 4.8, served

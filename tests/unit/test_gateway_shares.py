@@ -15,10 +15,15 @@ from kvfleet_runtime.gateway.shares import (
     FLOOR,
     Demand,
     DemandMeter,
-    decode_demands,
+    EngineDemand,
+    ReplicaReport,
+    allocate_engine_slots,
+    decode_report,
     demand_fraction,
-    encode_demands,
+    encode_report,
+    engine_limit,
 )
+from kvfleet_runtime.kv.fairness import FairQueue
 
 
 @given(st.lists(st.floats(min_value=0, max_value=1e9, allow_nan=False), min_size=1, max_size=8))
@@ -51,12 +56,81 @@ def test_demand_decays_with_its_time_constant_and_idle_tenants_are_forgotten() -
     assert meter.snapshot(12.0) == {}  # forgotten, not revived by an earlier clock
 
 
-def test_a_payload_round_trips_and_a_foreign_one_is_refused() -> None:
-    demands = {"a": Demand(1.5, 300.0), "b": Demand(0.25, 0.0)}
-    assert decode_demands(encode_demands(demands)) == demands
-    for bad in (b"not json", b"[1, 2]", b'{"a": [1]}', b'{"a": [-1, 2]}', b'{"a": [true, 2]}', b'{"a": "x"}'):
-        with pytest.raises(ValueError, match="not a demand payload"):
-            decode_demands(bad)
+def test_a_report_round_trips_and_a_foreign_one_is_refused() -> None:
+    report = ReplicaReport(
+        {"a": Demand(1.5, 300.0), "b": Demand(0.25, 0.0)},
+        {"shared": {"a": EngineDemand(1, 4.0, 12.0)}, "bank": {}},
+    )
+    assert decode_report(encode_report(report)) == report
+    for bad in (
+        b"not json",
+        b"[1, 2]",
+        b'{"a": [1, 2]}',
+        b'{"rates": {"a": [1]}, "engines": {}}',
+        b'{"rates": {"a": [-1, 2]}, "engines": {}}',
+        b'{"rates": {"a": [true, 2]}, "engines": {}}',
+        b'{"rates": {}, "engines": {"p": {"a": [1, 0, 3]}}}',
+        b'{"rates": {}, "engines": {"p": [1]}}',
+    ):
+        with pytest.raises(ValueError, match="not a replica report"):
+            decode_report(bad)
+
+
+def d(requests: float, weight: float = 1.0, rank: int = 1) -> EngineDemand:
+    return EngineDemand(rank, weight, requests)
+
+
+def test_engine_slots_go_by_weight_among_tenants_that_ask_for_more_than_their_part() -> None:
+    assert allocate_engine_slots(20, {"a": d(24), "b": d(24, 4)}) == pytest.approx({"a": 4, "b": 16})
+    # One asks less than its weighted part: it gets what it asks, the others share the rest by weight.
+    got = allocate_engine_slots(20, {"a": d(2), "b": d(50), "c": d(50, 2)})
+    assert got == pytest.approx({"a": 2, "b": 6, "c": 12})
+    # A higher SLA rank is served first, whatever the weights below it.
+    got = allocate_engine_slots(10, {"p": d(7, rank=2), "b": d(50, 9), "c": d(50)})
+    assert got == pytest.approx({"p": 7, "b": 2.7, "c": 0.3})
+    assert allocate_engine_slots(10, {"a": d(3)}) == {"a": 3}
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdef"),
+        st.tuples(st.integers(0, 2), st.floats(0.1, 10), st.floats(0, 100)),
+        max_size=6,
+    ),
+    st.integers(1, 200),
+)
+def test_the_engines_are_never_given_more_than_they_hold_nor_a_tenant_more_than_it_asks(
+    raw: dict[str, tuple[int, float, float]], capacity: int
+) -> None:
+    demands = {t: EngineDemand(r, w, n) for t, (r, w, n) in raw.items()}
+    got = allocate_engine_slots(capacity, demands)
+    assert sum(got.values()) <= capacity + 1e-6
+    assert all(got[t] <= demands[t].requests + 1e-9 for t in got)
+
+
+def test_skewed_ingress_moves_the_engines_to_the_replica_of_the_heavier_weight() -> None:
+    """Tenant a (weight 1) only on replica 1, b (weight 4) only on replica 2, each with 24 requests
+    waiting or running: of the pool's 2 x 10 slots replica 1 takes 4, replica 2 takes 16."""
+    r1, r2 = {"a": d(24)}, {"b": d(24, 4)}
+    assert (engine_limit(10, r1, [r2]), engine_limit(10, r2, [r1])) == (4, 16)
+    # What nobody asks for is split evenly; a replica with nothing to send keeps at least one slot.
+    assert (engine_limit(10, {"a": d(3)}, [{}]), engine_limit(10, {}, [{"a": d(3)}])) == (12, 9)
+    assert engine_limit(10, {}, [{"a": d(50)}]) == 1
+    # A tenant on both replicas: its allocation follows where its requests are.
+    both1, both2 = {"a": d(30), "b": d(10, 4)}, {"b": d(30, 4)}
+    assert engine_limit(10, both1, [both2]) + engine_limit(10, both2, [both1]) == 20
+
+
+def test_the_queue_reports_each_tenants_requests_waiting_and_running() -> None:
+    queue: FairQueue[None] = FairQueue(2)
+    running = [queue.dispatch_now("a", 1, 2.0, 10, None), queue.dispatch_now("b", 0, 1.0, 10, None)]
+    queue.push("a", 1, 2.0, 10, None)
+    queue.push("c", 1, 3.0, 10, None)
+    assert queue.demand() == {"a": (1, 2.0, 2), "b": (0, 1.0, 1), "c": (1, 3.0, 1)}
+    for ticket in running:
+        assert ticket is not None
+        queue.finish(ticket)
+    assert queue.demand() == {"a": (1, 2.0, 1), "c": (1, 3.0, 1)}
 
 
 class Clock:

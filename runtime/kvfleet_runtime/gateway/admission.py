@@ -657,6 +657,9 @@ class EngineQueue:
         self.fair: FairQueue[asyncio.Future[None] | None] = FairQueue(limit, cost, fair=fair)
         self._clock = clock
         self._held: dict[str, int] = {}
+        #: The limit the settings give (``set_limit``); the shared store may steer it (``steer``).
+        self.static_limit = limit
+        self._steered: int | None = None
 
     @property
     def limit(self) -> int | None:
@@ -671,8 +674,19 @@ class EngineQueue:
         return sum(self._held.values()) if tenant is None else self._held.get(tenant, 0)
 
     def set_limit(self, limit: int | None) -> None:
-        """A reload (replicas or the per-replica limit changed); releases what now fits."""
-        self.fair.set_limit(limit)
+        """A reload (replicas or the per-replica limit changed); releases what now fits. A limit the
+        shared store steers stays until its next sync."""
+        self.static_limit = limit
+        self.fair.set_limit(self._steered if self._steered is not None and limit is not None else limit)
+        self._dispatch()
+
+    def steer(self, limit: int | None) -> None:
+        """This replica's part of the pool's engines as the shared store's split sets it
+        (``gateway.shares.engine_limit``); ``None``: back to the static limit. No effect without one."""
+        if self.static_limit is None:
+            return
+        self._steered = limit
+        self.fair.set_limit(self.static_limit if limit is None else limit)
         self._dispatch()
 
     def dispatch_now(self, request: EngineRequest) -> EngineSlot | None:

@@ -185,6 +185,7 @@ class Pipeline:
                     settings.shared_store_url, settings.shared_store_ca, settings.shared_store_sync_s
                 ),
                 gates=lambda: self.gates,
+                engine_queues=lambda: self.engine_queues,
                 scope=lambda: self.snapshot.table.model_deployment if self.snapshot else "-",
                 metrics=self.metrics,
             )

@@ -43,13 +43,16 @@ from kvfleet_runtime.gateway.shares import (
     FLOOR,
     Demand,
     DemandMeter,
-    decode_demands,
+    EngineDemand,
+    ReplicaReport,
+    decode_report,
     demand_fraction,
-    encode_demands,
+    encode_report,
+    engine_limit,
 )
 
 if TYPE_CHECKING:
-    from kvfleet_runtime.gateway.admission import TenantGate
+    from kvfleet_runtime.gateway.admission import EngineQueue, TenantGate
     from kvfleet_runtime.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -135,6 +138,7 @@ class SharedLimits:
         settings: SharedStoreSettings,
         gates: Callable[[], Mapping[str, TenantGate]],
         scope: Callable[[], str],
+        engine_queues: Callable[[], Mapping[str, EngineQueue]] = dict,
         metrics: GatewayMetrics | None = None,
         replica_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -143,6 +147,7 @@ class SharedLimits:
         self.replica_id = replica_id or default_replica_id()
         self.meter = DemandMeter(settings.demand_tau_s)
         self._gates = gates
+        self._engine_queues = engine_queues
         self._scope = scope
         self._metrics = metrics
         self._clock = clock
@@ -180,12 +185,12 @@ class SharedLimits:
         """One round trip: publish, read, apply. False (and the static shares once the store has been
         unreachable for ``fallback_after_s``) when it failed."""
         now = self._clock()
-        own = self.meter.snapshot(now)
+        own = ReplicaReport(self.meter.snapshot(now), self._engine_demand())
         try:
             async with asyncio.timeout(self.settings.fallback_after_s / 2):
                 flat = await self._script(
                     keys=list(self.keys()),
-                    args=[self.replica_id, encode_demands(own), int(self.settings.replica_ttl_s * 1000)],
+                    args=[self.replica_id, encode_report(own), int(self.settings.replica_ttl_s * 1000)],
                 )
         except Exception as exc:  # noqa: BLE001 - any failure of the store is the same fallback
             self._failed(self._clock(), exc)
@@ -200,30 +205,42 @@ class SharedLimits:
         self._observe("ok")
         return True
 
-    def _decode_others(self, flat: list[bytes]) -> list[dict[str, Demand]]:
-        others: list[dict[str, Demand]] = []
+    def _engine_demand(self) -> dict[str, dict[str, EngineDemand]]:
+        out: dict[str, dict[str, EngineDemand]] = {}
+        for pool, queue in self._engine_queues().items():
+            if queue.static_limit is not None:
+                demand = queue.fair.demand()
+                out[pool] = {t: EngineDemand(rank, weight, n) for t, (rank, weight, n) in demand.items()}
+        return out
+
+    def _decode_others(self, flat: list[bytes]) -> list[ReplicaReport]:
+        others: list[ReplicaReport] = []
         for i in range(0, len(flat) - 1, 2):
             replica = flat[i].decode(errors="replace")
             if replica == self.replica_id:
                 continue
             try:
-                others.append(decode_demands(flat[i + 1]))
+                others.append(decode_report(flat[i + 1]))
             except ValueError as exc:
                 log.warning("shared store: replica %s published %s; left out of the split", replica, exc)
         return others
 
-    def _apply(self, own: Mapping[str, Demand], others: list[dict[str, Demand]]) -> None:
+    def _apply(self, own: ReplicaReport, others: list[ReplicaReport]) -> None:
         floor = self.settings.floor
         idle = Demand()
         for tenant, gate in self._gates().items():
-            mine = own.get(tenant, idle)
-            theirs = [o.get(tenant, idle) for o in others]
+            mine = own.rates.get(tenant, idle)
+            theirs = [o.rates.get(tenant, idle) for o in others]
             gate.set_fractions(
                 (
                     demand_fraction(mine.requests, (d.requests for d in theirs), floor),
                     demand_fraction(mine.tokens, (d.tokens for d in theirs), floor),
                 )
             )
+        for pool, queue in self._engine_queues().items():
+            if queue.static_limit is not None:
+                theirs_engines = [o.engines.get(pool, {}) for o in others]
+                queue.steer(engine_limit(queue.static_limit, own.engines.get(pool, {}), theirs_engines))
         self.shared = True
 
     def _failed(self, now: float, exc: BaseException) -> None:
@@ -246,6 +263,8 @@ class SharedLimits:
         """Every gate back to its static share."""
         for gate in self._gates().values():
             gate.set_fractions(None)
+        for queue in self._engine_queues().values():
+            queue.steer(None)
         self.shared = False
         self.replicas_seen = 0
 

@@ -26,22 +26,37 @@ each of them, and split every limit by that demand:
 
 Concurrency (``max_concurrent``) stays split evenly: a request's slot is held for its whole answer, and a
 replica cannot give back a slot another replica is using.
+
+**Fair shares of the engines across replicas.** Each replica holds at most its limit of a pool's requests
+on the engines and orders the rest by VTC (``admission.EngineQueue``, ``kv.fairness``); alone, it cannot
+weigh tenants whose traffic lands on other replicas, so with skewed ingress two tenants weighted 1:4 each
+get the half their own replica holds. With the store each replica also publishes, per pool, every
+tenant's SLA rank, weight and the requests it has waiting or in flight there (``EngineDemand``). From
+all replicas' reports each computes the same allocation of the pool's whole capacity (the replicas'
+static limits summed) to tenants (``allocate_engine_slots``: strict priority between SLA ranks, weighted
+max-min fairness within one, no tenant given more than it asks), and takes as its limit the part of each
+tenant's allocation that its own share of that tenant's requests calls for, plus an even part of what no
+tenant asks for (``engine_limit``). Within the replica VTC orders as before.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "FLOOR",
     "Demand",
     "DemandMeter",
-    "decode_demands",
+    "EngineDemand",
+    "ReplicaReport",
+    "allocate_engine_slots",
+    "decode_report",
     "demand_fraction",
-    "encode_demands",
+    "encode_report",
+    "engine_limit",
 ]
 
 #: The part of every limit split evenly over the live replicas, whatever their demand (module docstring).
@@ -104,33 +119,118 @@ def demand_fraction(own: float, others: Iterable[float], floor: float = FLOOR) -
     return floor / n + (1.0 - floor) * (own / total)
 
 
-def encode_demands(demands: Mapping[str, Demand]) -> str:
-    """What a replica publishes: ``{"tenant": [requests, tokens], ...}`` (rounded; ratios are what count)."""
+@dataclass(frozen=True, slots=True)
+class EngineDemand:
+    """A tenant's requests waiting for or running on a pool's engines at one replica, with what orders it."""
+
+    rank: int
+    weight: float
+    requests: float
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What one replica publishes: rate-limit demand per tenant, engine demand per pool and tenant."""
+
+    rates: Mapping[str, Demand]
+    engines: Mapping[str, Mapping[str, EngineDemand]]
+
+
+def allocate_engine_slots(capacity: float, demands: Mapping[str, EngineDemand]) -> dict[str, float]:
+    """Slots of a pool's engines per tenant, ``demands`` being each tenant's over every replica: the
+    highest SLA rank first, and within a rank weighted max-min fairness (water-filling: a tenant asking
+    less than its weighted part gets what it asks, the rest is shared again among the others)."""
+    out: dict[str, float] = {}
+    left = float(capacity)
+    for rank in sorted({d.rank for d in demands.values()}, reverse=True):
+        hungry = {t: d for t, d in demands.items() if d.rank == rank and d.requests > 0}
+        while hungry and left > 1e-9:
+            weights = sum(d.weight for d in hungry.values())
+            fits = {t: d for t, d in hungry.items() if d.requests <= left * d.weight / weights}
+            if not fits:
+                for t, d in hungry.items():
+                    out[t] = left * d.weight / weights
+                left = 0.0
+                break
+            for t, d in fits.items():
+                out[t] = d.requests
+                left -= d.requests
+                del hungry[t]
+    return out
+
+
+def engine_limit(
+    static_limit: int, mine: Mapping[str, EngineDemand], others: Sequence[Mapping[str, EngineDemand]]
+) -> int:
+    """This replica's in-flight limit on one pool's engines (module docstring): the pool's capacity is
+    ``static_limit`` times the live replicas; at least 1."""
+    n = 1 + len(others)
+    total: dict[str, EngineDemand] = {}
+    for report in (mine, *others):
+        for tenant, d in report.items():
+            seen = total.get(tenant)
+            requests = d.requests + (seen.requests if seen is not None else 0.0)
+            total[tenant] = EngineDemand(d.rank, d.weight, requests)
+    capacity = static_limit * n
+    allocation = allocate_engine_slots(capacity, total)
+    limit = (capacity - sum(allocation.values())) / n
+    for tenant, d in mine.items():
+        if d.requests > 0 and tenant in allocation:
+            limit += allocation[tenant] * d.requests / total[tenant].requests
+    return max(1, math.floor(limit + 0.5))
+
+
+def encode_report(report: ReplicaReport) -> str:
+    """What a replica publishes (JSON; rounded: ratios are what count)."""
     return json.dumps(
-        {t: [round(d.requests, 4), round(d.tokens, 2)] for t, d in sorted(demands.items())},
+        {
+            "rates": {t: [round(d.requests, 4), round(d.tokens, 2)] for t, d in sorted(report.rates.items())},
+            "engines": {
+                pool: {t: [d.rank, d.weight, d.requests] for t, d in sorted(tenants.items())}
+                for pool, tenants in sorted(report.engines.items())
+            },
+        },
         separators=(",", ":"),
     )
 
 
-def decode_demands(payload: str | bytes) -> dict[str, Demand]:
-    """Another replica's published demands; raises ``ValueError`` for anything that is not such a payload
-    (a replica of another version, a key written by something else)."""
+def _numbers(value: object, size: int) -> list[float] | None:
+    if not isinstance(value, list) or len(value) != size:
+        return None
+    if not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in value
+    ):
+        return None
+    return [float(v) for v in value]
+
+
+def decode_report(payload: str | bytes) -> ReplicaReport:
+    """Another replica's report; raises ``ValueError`` for anything that is not one (a replica of another
+    version, a key written by something else)."""
     try:
         raw = json.loads(payload)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not a demand payload: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("not a demand payload: not an object")
-    out: dict[str, Demand] = {}
-    for tenant, value in raw.items():
-        if (
-            not isinstance(value, list)
-            or len(value) != 2
-            or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                for v in value
-            )
-        ):
-            raise ValueError(f"not a demand payload: tenant {tenant!r} has {value!r}")
-        out[tenant] = Demand(float(value[0]), float(value[1]))
-    return out
+        raise ValueError(f"not a replica report: {exc}") from None
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("rates"), dict)
+        or not isinstance(raw.get("engines"), dict)
+    ):
+        raise ValueError("not a replica report: wants an object with rates and engines")
+    rates: dict[str, Demand] = {}
+    for tenant, value in raw["rates"].items():
+        numbers = _numbers(value, 2)
+        if numbers is None:
+            raise ValueError(f"not a replica report: tenant {tenant!r} has rates {value!r}")
+        rates[tenant] = Demand(numbers[0], numbers[1])
+    engines: dict[str, dict[str, EngineDemand]] = {}
+    for pool, tenants in raw["engines"].items():
+        if not isinstance(tenants, dict):
+            raise ValueError(f"not a replica report: pool {pool!r} has {tenants!r}")
+        engines[pool] = {}
+        for tenant, value in tenants.items():
+            numbers = _numbers(value, 3)
+            if numbers is None or numbers[1] <= 0:
+                raise ValueError(f"not a replica report: tenant {tenant!r} of pool {pool!r} has {value!r}")
+            engines[pool][tenant] = EngineDemand(int(numbers[0]), numbers[1], numbers[2])
+    return ReplicaReport(rates, engines)

@@ -136,6 +136,10 @@ class FairQueue(Generic[T]):
         self._seq = itertools.count()
         #: Tickets waiting in all tiers (``waiting()`` without the sum).
         self._waiting = 0
+        #: Dispatched tickets not yet finished, per tenant (``demand``); a tenant with none is absent.
+        self._running: dict[str, int] = {}
+        #: Rank and weight of each tenant's latest dispatched request (``demand``).
+        self._last: dict[str, tuple[int, float]] = {}
 
     # -- reading -------------------------------------------------------------------------------------
     def waiting(self, rank: int | None = None) -> int:
@@ -148,6 +152,20 @@ class FairQueue(Generic[T]):
     def counter(self, tenant: str) -> float:
         """The tenant's virtual counter (0 before it was first served)."""
         return self.counters.get(tenant, 0.0)
+
+    def demand(self) -> dict[str, tuple[int, float, int]]:
+        """Tenant -> (rank, weight, requests waiting or in flight) for every tenant with any: what the
+        gateway replicas share to split a pool's engines by weight (``gateway.shares.engine_limit``).
+        Rank and weight are those of the tenant's latest request."""
+        out: dict[str, tuple[int, float, int]] = {}
+        for rank, tier in self._tiers.items():
+            for tenant, queue in tier.backlog.items():
+                weight = queue[-1].weight if queue else 1.0
+                out[tenant] = (rank, weight, len(queue) + self._running.get(tenant, 0))
+        for tenant, (rank, weight) in self._last.items():
+            if tenant not in out and self._running.get(tenant):
+                out[tenant] = (rank, weight, self._running[tenant])
+        return out
 
     def backlogged(self, rank: int) -> frozenset[str]:
         tier = self._tiers.get(rank)
@@ -208,6 +226,8 @@ class FairQueue(Generic[T]):
         counter = counters.get(tenant, 0.0)
         counter = max(counter, tier.floor)
         self.in_flight += 1
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+        self._last[tenant] = (rank, weight)
         weighted = self.cost.input_weight * charged
         self.served[tenant] = self.served.get(tenant, 0.0) + weighted
         counters[tenant] = counter = counter + weighted / weight
@@ -233,6 +253,8 @@ class FairQueue(Generic[T]):
                 self._leave(tier, tenant)
             ticket.state = TicketState.DISPATCHED
             self.in_flight += 1
+            self._running[tenant] = self._running.get(tenant, 0) + 1
+            self._last[tenant] = (rank, ticket.weight)
             ticket.charged_input = ticket.input_tokens * self.input_scale.get(tenant, 1.0)
             self._charge(ticket, self.cost.of(ticket.charged_input, 0))
             return ticket
@@ -265,6 +287,7 @@ class FairQueue(Generic[T]):
         ticket.charged_input = 0
         ticket.state = TicketState.DONE
         self.in_flight -= 1
+        self._stopped(ticket.tenant)
 
     def settle(self, ticket: Ticket[T], prompt_tokens: int, completion_tokens: int) -> None:
         """Charge what the engine reported: the input corrected to ``prompt_tokens``, the output; and learn
@@ -293,6 +316,15 @@ class FairQueue(Generic[T]):
         if ticket.state is TicketState.DISPATCHED:
             ticket.state = TicketState.DONE
             self.in_flight -= 1
+            self._stopped(ticket.tenant)
+
+    def _stopped(self, tenant: str) -> None:
+        left = self._running[tenant] - 1
+        if left:
+            self._running[tenant] = left
+        else:
+            del self._running[tenant]
+            self._last.pop(tenant, None)
 
     # -- inside --------------------------------------------------------------------------------------
     def _charge(self, ticket: Ticket[T], weighted_tokens: float) -> None:
