@@ -22,6 +22,7 @@ from kvfleet_runtime.gateway.shares import (
     demand_fraction,
     encode_report,
     engine_limit,
+    engine_split,
 )
 from kvfleet_runtime.kv.fairness import FairQueue
 
@@ -172,3 +173,21 @@ def test_store_settings_refuse_what_cannot_fall_back_within_a_second() -> None:
         SharedStoreSettings(url="http://store:6379")
     with pytest.raises(ValueError, match="at most a third of the fallback delay"):
         SharedStoreSettings(url="redis://store:6379", sync_interval_s=0.5)
+
+
+def test_each_tenants_part_caps_it_while_another_under_its_part_waits() -> None:
+    """``engine_split`` gives each tenant here its part of the replica's limit; the queue serves a tenant
+    under its part before one at it, and never leaves a slot idle when all are at theirs."""
+    limit, parts = engine_split(10, {"a": d(18), "b": d(2, 4)}, [{"a": d(2), "b": d(18, 4)}])
+    assert (limit, parts) == (5, {"a": 4, "b": 2})  # 3.6 and 1.6, each rounded half up
+    queue: FairQueue[None] = FairQueue(2)
+    queue.caps = {"a": 1}
+    first = queue.dispatch_now("a", 1, 1.0, 10, None)
+    assert first is not None
+    queue.push("a", 1, 1.0, 1, None)  # the oldest waiting ticket, and a has the smaller counter...
+    queue.push("b", 1, 1.0, 100, None)
+    ticket = queue.pop()
+    assert ticket is not None and ticket.tenant == "b"  # ...but a is at its part
+    queue.finish(ticket)
+    ticket = queue.pop()
+    assert ticket is not None and ticket.tenant == "a"  # everyone left is at its part: no idle slot

@@ -680,12 +680,14 @@ class EngineQueue:
         self.fair.set_limit(self._steered if self._steered is not None and limit is not None else limit)
         self._dispatch()
 
-    def steer(self, limit: int | None) -> None:
-        """This replica's part of the pool's engines as the shared store's split sets it
-        (``gateway.shares.engine_limit``); ``None``: back to the static limit. No effect without one."""
+    def steer(self, limit: int | None, caps: dict[str, int] | None = None) -> None:
+        """This replica's part of the pool's engines and each tenant's part of that, as the shared
+        store's split sets them (``gateway.shares.engine_split``); ``None``: back to the static limit and
+        no caps. No effect without a limit."""
         if self.static_limit is None:
             return
         self._steered = limit
+        self.fair.caps = caps if limit is not None and caps else {}
         self.fair.set_limit(self.static_limit if limit is None else limit)
         self._dispatch()
 

@@ -48,7 +48,7 @@ from kvfleet_runtime.gateway.shares import (
     decode_report,
     demand_fraction,
     encode_report,
-    engine_limit,
+    engine_split,
 )
 
 if TYPE_CHECKING:
@@ -167,6 +167,8 @@ class SharedLimits:
         self.replicas_seen = 0
         self.shared = False
         self._last_error: str | None = None
+        #: (replica, pool, tenant) -> the weighted tokens that replica last reported serving the tenant.
+        self._served_seen: dict[tuple[str, str, str], float] = {}
 
     def demand_recorder(self, tenant: str) -> Callable[[float, float], None]:
         """What a tenant's gate calls with each request's (requests, tokens)."""
@@ -196,7 +198,8 @@ class SharedLimits:
             self._failed(self._clock(), exc)
             return False
         others = self._decode_others(flat)
-        self._apply(own, others)
+        self._charge_elsewhere(others)
+        self._apply(own, list(others.values()))
         self.last_ok = now
         self.replicas_seen = 1 + len(others)
         if self._last_error is not None:
@@ -208,19 +211,43 @@ class SharedLimits:
     def _engine_demand(self) -> dict[str, dict[str, EngineDemand]]:
         out: dict[str, dict[str, EngineDemand]] = {}
         for pool, queue in self._engine_queues().items():
-            if queue.static_limit is not None:
-                demand = queue.fair.demand()
-                out[pool] = {t: EngineDemand(rank, weight, n) for t, (rank, weight, n) in demand.items()}
+            if queue.static_limit is None:
+                continue
+            fair = queue.fair
+            tenants = {t: EngineDemand(rank, weight, n) for t, (rank, weight, n) in fair.demand().items()}
+            for tenant, served in fair.served.items():
+                now = tenants.get(tenant)
+                profile = (now.rank, now.weight) if now is not None else fair.profile(tenant)
+                if profile is not None:
+                    tenants[tenant] = EngineDemand(*profile, now.requests if now else 0.0, served)
+            out[pool] = tenants
         return out
 
-    def _decode_others(self, flat: list[bytes]) -> list[ReplicaReport]:
-        others: list[ReplicaReport] = []
+    def _charge_elsewhere(self, others: Mapping[str, ReplicaReport]) -> None:
+        """What each other replica served each tenant since the last sync, charged to the counters here;
+        a replica seen for the first time sets its baseline (what it served before is old news)."""
+        queues = self._engine_queues()
+        for replica, report in others.items():
+            for pool, tenants in report.engines.items():
+                queue = queues.get(pool)
+                for tenant, d in tenants.items():
+                    key = (replica, pool, tenant)
+                    before = self._served_seen.get(key)
+                    self._served_seen[key] = d.served
+                    if queue is not None and before is not None and d.served > before:
+                        queue.fair.charge_elsewhere(tenant, d.served - before, d.weight)
+        live = set(others)
+        for key in [k for k in self._served_seen if k[0] not in live]:
+            del self._served_seen[key]
+
+    def _decode_others(self, flat: list[bytes]) -> dict[str, ReplicaReport]:
+        others: dict[str, ReplicaReport] = {}
         for i in range(0, len(flat) - 1, 2):
             replica = flat[i].decode(errors="replace")
             if replica == self.replica_id:
                 continue
             try:
-                others.append(decode_report(flat[i + 1]))
+                others[replica] = decode_report(flat[i + 1])
             except ValueError as exc:
                 log.warning("shared store: replica %s published %s; left out of the split", replica, exc)
         return others
@@ -240,7 +267,7 @@ class SharedLimits:
         for pool, queue in self._engine_queues().items():
             if queue.static_limit is not None:
                 theirs_engines = [o.engines.get(pool, {}) for o in others]
-                queue.steer(engine_limit(queue.static_limit, own.engines.get(pool, {}), theirs_engines))
+                queue.steer(*engine_split(queue.static_limit, own.engines.get(pool, {}), theirs_engines))
         self.shared = True
 
     def _failed(self, now: float, exc: BaseException) -> None:

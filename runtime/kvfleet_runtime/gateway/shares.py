@@ -27,16 +27,20 @@ each of them, and split every limit by that demand:
 Concurrency (``max_concurrent``) stays split evenly: a request's slot is held for its whole answer, and a
 replica cannot give back a slot another replica is using.
 
-**Fair shares of the engines across replicas.** Each replica holds at most its limit of a pool's requests
-on the engines and orders the rest by VTC (``admission.EngineQueue``, ``kv.fairness``); alone, it cannot
-weigh tenants whose traffic lands on other replicas, so with skewed ingress two tenants weighted 1:4 each
-get the half their own replica holds. With the store each replica also publishes, per pool, every
-tenant's SLA rank, weight and the requests it has waiting or in flight there (``EngineDemand``). From
-all replicas' reports each computes the same allocation of the pool's whole capacity (the replicas'
-static limits summed) to tenants (``allocate_engine_slots``: strict priority between SLA ranks, weighted
-max-min fairness within one, no tenant given more than it asks), and takes as its limit the part of each
-tenant's allocation that its own share of that tenant's requests calls for, plus an even part of what no
-tenant asks for (``engine_limit``). Within the replica VTC orders as before.
+**Fair shares of the engines across replicas.** Each replica holds at most its limit of a pool's requests on
+the engines and orders the rest by VTC (``admission.EngineQueue``, ``kv.fairness``); alone, it cannot weigh
+tenants whose traffic lands on other replicas, so with skewed ingress two tenants weighted 1:4 each get the
+half their own replica holds. With the store each replica also publishes, per pool, every tenant's SLA rank,
+weight and the requests it has waiting or in flight there (``EngineDemand``). From all replicas' reports
+each computes the same allocation of the pool's whole capacity (the replicas' static limits summed) to
+tenants (``allocate_engine_slots``: strict priority between SLA ranks, weighted max-min fairness within one,
+no tenant given more than it asks), and takes as its limit the part of each tenant's allocation that its own
+share of that tenant's requests calls for, plus an even part of what no tenant asks for (``engine_limit``);
+each tenant's own part is a cap in the replica's queue (``FairQueue.caps``): a tenant at its part waits
+while another under its part waits too. Within the replica VTC orders as before, on counters that also grow
+by the service the other replicas report (each tenant's weighted tokens served there, the growth since the
+last sync charged here: ``FairQueue.charge_elsewhere``): otherwise a tenant's few requests on the replica
+where others dominate would always look unserved there and be served first.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ __all__ = [
     "demand_fraction",
     "encode_report",
     "engine_limit",
+    "engine_split",
 ]
 
 #: The part of every limit split evenly over the live replicas, whatever their demand (module docstring).
@@ -126,6 +131,9 @@ class EngineDemand:
     rank: int
     weight: float
     requests: float
+    #: Weighted tokens this replica served the tenant on the pool, since it started (``FairQueue.served``):
+    #: the others charge what it grew by to their own counters (``FairQueue.charge_elsewhere``).
+    served: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -162,8 +170,16 @@ def allocate_engine_slots(capacity: float, demands: Mapping[str, EngineDemand]) 
 def engine_limit(
     static_limit: int, mine: Mapping[str, EngineDemand], others: Sequence[Mapping[str, EngineDemand]]
 ) -> int:
-    """This replica's in-flight limit on one pool's engines (module docstring): the pool's capacity is
-    ``static_limit`` times the live replicas; at least 1."""
+    """This replica's in-flight limit on one pool's engines (``engine_split``'s first half)."""
+    return engine_split(static_limit, mine, others)[0]
+
+
+def engine_split(
+    static_limit: int, mine: Mapping[str, EngineDemand], others: Sequence[Mapping[str, EngineDemand]]
+) -> tuple[int, dict[str, int]]:
+    """This replica's in-flight limit on one pool's engines and each of its tenants' part of it (module
+    docstring): the pool's capacity is ``static_limit`` times the live replicas; the limit is at least 1,
+    a tenant's part at least 1 (rounded half up)."""
     n = 1 + len(others)
     total: dict[str, EngineDemand] = {}
     for report in (mine, *others):
@@ -174,10 +190,13 @@ def engine_limit(
     capacity = static_limit * n
     allocation = allocate_engine_slots(capacity, total)
     limit = (capacity - sum(allocation.values())) / n
+    parts: dict[str, int] = {}
     for tenant, d in mine.items():
         if d.requests > 0 and tenant in allocation:
-            limit += allocation[tenant] * d.requests / total[tenant].requests
-    return max(1, math.floor(limit + 0.5))
+            part = allocation[tenant] * d.requests / total[tenant].requests
+            limit += part
+            parts[tenant] = max(1, math.floor(part + 0.5))
+    return max(1, math.floor(limit + 0.5)), parts
 
 
 def encode_report(report: ReplicaReport) -> str:
@@ -186,7 +205,9 @@ def encode_report(report: ReplicaReport) -> str:
         {
             "rates": {t: [round(d.requests, 4), round(d.tokens, 2)] for t, d in sorted(report.rates.items())},
             "engines": {
-                pool: {t: [d.rank, d.weight, d.requests] for t, d in sorted(tenants.items())}
+                pool: {
+                    t: [d.rank, d.weight, d.requests, round(d.served, 1)] for t, d in sorted(tenants.items())
+                }
                 for pool, tenants in sorted(report.engines.items())
             },
         },
@@ -229,8 +250,8 @@ def decode_report(payload: str | bytes) -> ReplicaReport:
             raise ValueError(f"not a replica report: pool {pool!r} has {tenants!r}")
         engines[pool] = {}
         for tenant, value in tenants.items():
-            numbers = _numbers(value, 3)
+            numbers = _numbers(value, 4)
             if numbers is None or numbers[1] <= 0:
                 raise ValueError(f"not a replica report: tenant {tenant!r} of pool {pool!r} has {value!r}")
-            engines[pool][tenant] = EngineDemand(int(numbers[0]), numbers[1], numbers[2])
+            engines[pool][tenant] = EngineDemand(int(numbers[0]), numbers[1], numbers[2], numbers[3])
     return ReplicaReport(rates, engines)

@@ -138,7 +138,10 @@ class FairQueue(Generic[T]):
         self._waiting = 0
         #: Dispatched tickets not yet finished, per tenant (``demand``); a tenant with none is absent.
         self._running: dict[str, int] = {}
-        #: Rank and weight of each tenant's latest dispatched request (``demand``).
+        #: Tenant -> the requests it may have in flight here before others waiting go first (the gateway
+        #: replicas' split of the engines, ``gateway.shares.engine_split``); empty: no caps.
+        self.caps: dict[str, int] = {}
+        #: Rank and weight of each tenant's latest dispatched request (``demand``, ``profile``).
         self._last: dict[str, tuple[int, float]] = {}
 
     # -- reading -------------------------------------------------------------------------------------
@@ -324,7 +327,17 @@ class FairQueue(Generic[T]):
             self._running[tenant] = left
         else:
             del self._running[tenant]
-            self._last.pop(tenant, None)
+
+    def profile(self, tenant: str) -> tuple[int, float] | None:
+        """Rank and weight of the tenant's latest dispatched request (``None``: none yet)."""
+        return self._last.get(tenant)
+
+    def charge_elsewhere(self, tenant: str, weighted_tokens: float, weight: float) -> None:
+        """Service another gateway replica gave the tenant on the same engines (``gateway.shared_store``):
+        its counter grows as if this queue had served it, so every replica orders by the tenant's whole
+        service; ``served`` (this queue's own) does not."""
+        if weighted_tokens > 0 and weight > 0:
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + weighted_tokens / weight
 
     # -- inside --------------------------------------------------------------------------------------
     def _charge(self, ticket: Ticket[T], weighted_tokens: float) -> None:
@@ -332,6 +345,16 @@ class FairQueue(Generic[T]):
         self.counters[ticket.tenant] = self.counters.get(ticket.tenant, 0.0) + weighted_tokens / ticket.weight
 
     def _choose(self, tier: _Tier[T]) -> str:
+        caps = self.caps
+        if caps:
+            # Tenants under the part of the engines the replicas' split gives them here come first; when
+            # every waiting tenant is at its part, the slot still goes to one of them (never left idle).
+            running = self._running
+            under = [t for t in tier.backlog if running.get(t, 0) < caps.get(t, 1 << 30)]
+            if under and len(under) < len(tier.backlog):
+                if self.fair:
+                    return min(under, key=lambda t: (self.counters[t], tier.backlog[t][0].seq))
+                return min(under, key=lambda t: tier.backlog[t][0].seq)
         if self.fair:
             # Smallest counter; ties to the oldest waiting ticket (a stable, arrival-fair tie break).
             return min(tier.backlog, key=lambda t: (self.counters[t], tier.backlog[t][0].seq))

