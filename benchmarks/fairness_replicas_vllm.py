@@ -2,7 +2,9 @@
 against the replicas sharing their engine demand through the shared store (a real ``redis-server``), in
 one run.
 
-One vLLM OpenAI server and two kvfleet gateways in front of it (``--replicas 2``), each holding at most
+One vLLM OpenAI server and two kvfleet gateways (in this process: on 2 cores their event loop shares the
+CPU with the clients, and with fewer slots than 20 the sync with the store now and then took longer than
+the fallback delay, so the split fell back for a moment) in front of it (``--replicas 2``), each holding at most
 ``--in-flight`` requests on the engine and ordering the rest by VTC. Tenants of one SLA tier with weights
 1:4 (scenario ``1:4``) or 1:1:2 (``1:1:2``) send streaming completions back to back (closed loop, every
 prompt unique, every answer ``--max-tokens`` tokens), ``--clients`` clients each, with skewed ingress: 90%
@@ -17,7 +19,7 @@ Per scenario and mode (the rounds pooled): each tenant's weighted tokens/s (prom
 the engine's ``usage``: what VTC shares), that divided by its weight, and Jain's index of the latter (1:
 service exactly in proportion to the weights).
 
-Run: ``.venv/bin/python benchmarks/fairness_replicas_vllm.py`` (results:
+Run: ``.venv/bin/python benchmarks/fairness_replicas_vllm.py --in-flight 10 --clients 24`` (results:
 ``benchmarks/results/fairness_replicas_vllm.json``). Needs the engine (``hack/install-engine.sh``) and
 ``redis-server`` (``hack/provision.d/10-cluster.sh``).
 """

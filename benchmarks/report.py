@@ -917,6 +917,61 @@ def render_fairness_simulate(f: Files) -> str:
     return "\n\n".join(parts)
 
 
+# --- rate limits and fair shares across gateway replicas --------------------------------------------------
+
+
+def render_shared_limits(f: Files) -> str:
+    r = f["shared_limits"]
+    rows = []
+    for n in sorted({key.split("_", 1)[0] for key in r.figures}, key=int):
+
+        def cell(mode: str, n: str = n) -> str:
+            return spread(r.figure(f"{n}_replicas.{mode}.admitted_of_limit"), lambda x: num(x, 3))
+
+        failed = sum(
+            median(r.figure(f"{n}_replicas.{m}.failed")) for m in ("static", "shared", "store-killed")
+        )
+        rows.append(
+            [
+                n,
+                cell("static"),
+                cell("shared"),
+                cell("store-killed"),
+                spread(r.figure(f"{n}_replicas.store-killed.fallback_s"), lambda x: num(x, 2)) + " s",
+                num(failed),
+            ]
+        )
+    header = [
+        "gateway replicas",
+        "admitted / limit, static 1/N",
+        "shared store",
+        "store killed",
+        "fallback after the kill",
+        "requests failed",
+    ]
+    return f"`{r.command}`:\n\n" + table(header, rows)
+
+
+def render_fairness_replicas_vllm(f: Files, name: str) -> str:
+    r = f[name]
+    scenarios = sorted({key.split(".", 1)[0] for key in r.figures})
+    rows = []
+    for scenario in scenarios:
+        for mode in ("per-replica", "shared"):
+            prefix = f"{scenario}.{mode}."
+            tenants = [
+                k.removeprefix(prefix).split(".")[0]
+                for k in r.figures
+                if k.startswith(prefix) and k.endswith(".weighted_tokens_per_s")
+            ]
+            service = ", ".join(
+                f"{t} {num(median(r.figure(prefix + t + '.weighted_tokens_per_s')))}" for t in tenants
+            )
+            rows.append([scenario, mode, service, num(median(r.figure(prefix + "jain")), 3)])
+    header = ["weights", "gateway replicas", "weighted tokens/s per tenant", "Jain (service / weight)"]
+    return f"`{r.command}`:\n\n" + table(header, rows)
+
+
 # --- the page -------------------------------------------------------------------------------------------
 
 
@@ -977,6 +1032,10 @@ BLOCKS: dict[str, Block] = {
     "fairness_vllm": Block(("fairness_vllm",), render_fairness_vllm),
     "fairness_vllm_light4": Block(("fairness_vllm_light4",), render_fairness_vllm),
     "fairness_simulate": Block(("fairness_simulate",), render_fairness_simulate),
+    "shared_limits": Block(("shared_limits",), render_shared_limits),
+    "fairness_replicas_vllm": Block(
+        ("fairness_replicas_vllm",), lambda f: render_fairness_replicas_vllm(f, "fairness_replicas_vllm")
+    ),
 }
 
 

@@ -6,6 +6,7 @@ the operator sends to it; what the answer means is ``reconcile/status.py``'s (``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,5 +65,7 @@ class GatewayStoreProbe:
                 "replica enforces its static 1/replicas share of every tenant's rate limits until it does"
             )
         finally:
-            await client.aclose()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout_s):
+                    await client.aclose()
         return None

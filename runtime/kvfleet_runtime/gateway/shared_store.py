@@ -324,4 +324,7 @@ class SharedLimits:
                     pipe.zrem(seen_key, self.replica_id)
                     await pipe.execute()
         with contextlib.suppress(Exception):
-            await self._redis.aclose()
+            # Bounded too: a connection whose command the stopped sync task was cancelled in must not
+            # hold the gateway's exit.
+            async with asyncio.timeout(1.0):
+                await self._redis.aclose()
