@@ -2,14 +2,14 @@
 against the replicas sharing their engine demand through the shared store (a real ``redis-server``), in
 one run.
 
-One vLLM OpenAI server and two kvfleet gateways (in this process: on 2 cores their event loop shares the
-CPU with the clients, and with fewer slots than 20 the sync with the store now and then took longer than
-the fallback delay, so the split fell back for a moment) in front of it (``--replicas 2``), each holding at most
+One vLLM OpenAI server and two kvfleet gateways (in this process: on 2 cores their event loop shares the CPU
+with the clients, and with fewer slots than 20 the sync with the store now and then took longer than the
+fallback delay, so the split fell back for a moment) in front of it (``--replicas 2``), each holding at most
 ``--in-flight`` requests on the engine and ordering the rest by VTC. Tenants of one SLA tier with weights
 1:4 (scenario ``1:4``) or 1:1:2 (``1:1:2``) send streaming completions back to back (closed loop, every
 prompt unique, every answer ``--max-tokens`` tokens), ``--clients`` clients each, with skewed ingress: 90%
-of a tenant's clients on one gateway (the first tenant's on gateway A, the second's on B, the third's on
-A), the rest on the other. With more clients than the engine's slots every tenant stays backlogged. Modes:
+of a tenant's clients on one gateway (the first tenant's on gateway A, the second's on B, the third's on A),
+the rest on the other. With more clients than the engine's slots every tenant stays backlogged. Modes:
 ``per-replica`` (no store: each gateway weighs only the tenants it sees) and ``shared`` (``--shared-store``:
 the gateways split the engine's slots by the weights of every tenant backlogged anywhere,
 ``gateway.shares.engine_limit``). Phases alternate the modes, ``--rounds`` times per scenario, on the same
