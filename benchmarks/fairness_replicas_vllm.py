@@ -31,6 +31,8 @@ import asyncio
 import contextlib
 import os
 import secrets
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +74,6 @@ from kvfleet_runtime.config import (  # noqa: E402
 )
 from kvfleet_runtime.engine.launcher import EngineProcess, EngineReplica, build_vllm_args, build_vllm_env  # noqa: E402
 from kvfleet_runtime.engine.tinymodel import build_tiny_model  # noqa: E402
-from kvfleet_runtime.gateway.server import GatewaySettings, running_gateway  # noqa: E402
 from kvfleet_runtime.gateway.shared_store import PASSWORD_ENV  # noqa: E402
 from kvfleet_runtime.kv.simulator import jain_index  # noqa: E402
 
@@ -139,19 +140,34 @@ async def run_phase(
 ) -> Phase:
     weights = SCENARIOS[scenario]
     keys = write_config(workdir, engine_url, "tiny", weights)
-    settings = GatewaySettings(
-        config_path=workdir / "tenants.json",
-        keys_path=workdir / "keys.json",
-        replicas=2,
-        engine_in_flight_per_replica=args.in_flight,
-        max_queue_wait_s=args.queue_timeout,
-        max_queue=256,
-        shared_store_url=store.url if mode == "shared" else None,
-    )
+    argv = [
+        sys.executable, "-m", "kvfleet_runtime", "gateway",
+        "--config", str(workdir / "tenants.json"), "--keys", str(workdir / "keys.json"),
+        "--replicas", "2", "--engine-in-flight-per-replica", str(args.in_flight),
+        "--queue-timeout", str(args.queue_timeout), "--max-queue", "256", "--parse-workers", "0",
+        *(["--shared-store", store.url] if mode == "shared" else []),
+    ]  # fmt: skip
     samples: list[Sample] = []
+    children: list[subprocess.Popen[bytes]] = []
     async with contextlib.AsyncExitStack() as stack:
-        urls = [(await stack.enter_async_context(running_gateway(settings)))[0] for _ in range(2)]
+        stack.callback(_stop, children)
+        urls = []
+        for i in range(2):
+            port, metrics = free_port(), free_port()
+            log = (workdir / f"gateway-{mode}-{i}.log").open("wb")
+            children.append(
+                subprocess.Popen(  # noqa: ASYNC220 - started once per phase, before the load
+                    [*argv, "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics}"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, PASSWORD_ENV: store.password},
+                    start_new_session=True,
+                )
+            )
+            urls.append(f"http://127.0.0.1:{port}")
         session = await stack.enter_async_context(aiohttp.ClientSession())
+        for url in urls:
+            await _wait_ready(session, url + "/readyz")
         stop_at = time.perf_counter() + args.warmup + args.phase_seconds
 
         def body() -> dict[str, Any]:
@@ -180,6 +196,29 @@ async def run_phase(
         start = time.perf_counter()
         await asyncio.gather(*clients)
     return Phase(scenario, mode, start + args.warmup, stop_at, samples)
+
+
+def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+    for proc in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in children:
+        try:
+            proc.wait(70)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+async def _wait_ready(session: aiohttp.ClientSession, url: str, limit_s: float = 60) -> None:
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with session.get(url) as r:
+                if r.status == 200:
+                    return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready in {limit_s} s")
 
 
 def summarise(phases: list[Phase], scenario: str, mode: str) -> dict[str, Any]:
@@ -231,7 +270,6 @@ def main() -> None:
     model_dir = build_tiny_model()
     phases: list[Phase] = []
     store = start_shared_store()
-    os.environ[PASSWORD_ENV] = store.password  # what the gateways read, as from their Secret
     try:
         with tempfile.TemporaryDirectory(prefix="kvfleet-fair-replicas-") as tmp:
             work = Path(tmp)
