@@ -12,7 +12,7 @@ of a tenant's clients on one gateway (the first tenant's on gateway A, the secon
 the rest on the other. With more clients than the engine's slots every tenant stays backlogged. Modes:
 ``per-replica`` (no store: each gateway weighs only the tenants it sees) and ``shared`` (``--shared-store``:
 the gateways split the engine's slots by the weights of every tenant backlogged anywhere,
-``gateway.shares.engine_limit``). Phases alternate the modes, ``--rounds`` times per scenario, on the same
+``gateway.shares.engine_split``). Phases alternate the modes, ``--rounds`` times per scenario, on the same
 engine.
 
 Per scenario and mode (the rounds pooled): each tenant's weighted tokens/s (prompt + 2 x completion, from
@@ -30,13 +30,9 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +42,18 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # benchmarks/: the results format, fairness_vllm's client
 sys.path.insert(0, str(HERE.parent / "hack"))  # devcluster: the shared store's server
+sys.path.insert(0, str(HERE / "gateway"))  # bench: child processes, readiness
 
+from bench import Processes, wait_get_ok  # noqa: E402
 from devcluster.shared_store import SharedStoreServer, start_shared_store  # noqa: E402
-from fairness_vllm import OUTPUT_WEIGHT, Sample, free_port, one_request  # noqa: E402
+from fairness_vllm import (  # noqa: E402
+    OUTPUT_WEIGHT,
+    Sample,
+    completion_body,
+    free_port,
+    one_request,
+    write_config,
+)
 from results_format import (  # noqa: E402
     Figure,
     Machine,
@@ -60,17 +65,7 @@ from results_format import (  # noqa: E402
 )
 
 from kvfleet_runtime.config import (  # noqa: E402
-    TIER_PRIORITY,
     EngineSettings,
-    Isolation,
-    KeyFile,
-    KVQuota,
-    PoolEntry,
-    SlaTier,
-    TenantEntry,
-    TenantTable,
-    dump_json,
-    hash_api_key,
 )
 from kvfleet_runtime.engine.launcher import EngineProcess, EngineReplica, build_vllm_args, build_vllm_env  # noqa: E402
 from kvfleet_runtime.engine.tinymodel import build_tiny_model  # noqa: E402
@@ -95,41 +90,6 @@ class Phase:
     samples: list[Sample]
 
 
-def write_config(directory: Path, engine_url: str, model: str, weights: dict[str, float]) -> dict[str, str]:
-    plain = {name: "sk-fair-" + secrets.token_hex(16) for name in weights}
-    table = TenantTable(
-        model_deployment="bench/fairness-replicas",
-        served_model_name=model,
-        pool_salt_id="pool",
-        pools={
-            "shared": PoolEntry(
-                name="shared", endpoints=[engine_url], block_size=32, hbm_blocks_per_replica=10**5
-            )
-        },
-        tenants={
-            name: TenantEntry(
-                name=name,
-                tier=SlaTier.STANDARD,
-                priority=TIER_PRIORITY[SlaTier.STANDARD],
-                isolation=Isolation.SALTED,
-                salt_id=f"tenant-{name}",
-                pool="shared",
-                models=[model],
-                quota=KVQuota(hbm_blocks=0, hbm_burst_blocks=0),
-                fair_share_weight=weight,
-            )
-            for name, weight in weights.items()
-        },
-    )
-    keys = KeyFile(
-        salt_key_hex=secrets.token_hex(32),
-        key_hashes={name: [hash_api_key(key)] for name, key in plain.items()},
-    )
-    (directory / "tenants.json").write_text(dump_json(table))
-    (directory / "keys.json").write_text(dump_json(keys))
-    return plain
-
-
 async def run_phase(
     args: argparse.Namespace,
     engine_url: str,
@@ -139,7 +99,7 @@ async def run_phase(
     store: SharedStoreServer,
 ) -> Phase:
     weights = SCENARIOS[scenario]
-    keys = write_config(workdir, engine_url, "tiny", weights)
+    _, _, keys = write_config(workdir, engine_url, "tiny", weights)
     argv = [
         sys.executable, "-m", "kvfleet_runtime", "gateway",
         "--config", str(workdir / "tenants.json"), "--keys", str(workdir / "keys.json"),
@@ -148,43 +108,25 @@ async def run_phase(
         *(["--shared-store", store.url] if mode == "shared" else []),
     ]  # fmt: skip
     samples: list[Sample] = []
-    children: list[subprocess.Popen[bytes]] = []
+    children = Processes(workdir)
     async with contextlib.AsyncExitStack() as stack:
-        stack.callback(_stop, children)
+        stack.callback(children.stop)
         urls = []
         for i in range(2):
             port, metrics = free_port(), free_port()
-            log = (workdir / f"gateway-{mode}-{i}.log").open("wb")
-            children.append(
-                subprocess.Popen(  # noqa: ASYNC220 - started once per phase, before the load
-                    [*argv, "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics}"],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, PASSWORD_ENV: store.password},
-                    start_new_session=True,
-                )
-            )
+            listen = ["--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics}"]
+            children.start(f"gateway-{mode}-{i}", [*argv, *listen], {PASSWORD_ENV: store.password})
             urls.append(f"http://127.0.0.1:{port}")
         session = await stack.enter_async_context(aiohttp.ClientSession())
         for url in urls:
-            await _wait_ready(session, url + "/readyz")
+            await wait_get_ok(session, url + "/readyz")
         stop_at = time.perf_counter() + args.warmup + args.phase_seconds
-
-        def body() -> dict[str, Any]:
-            words = " ".join(uuid.uuid4().hex[:6] for _ in range(args.prompt_words))
-            return {
-                "model": "tiny",
-                "prompt": words,
-                "max_tokens": args.max_tokens,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
 
         async def client(tenant: str, url: str) -> None:
             while time.perf_counter() < stop_at:
+                body = completion_body("tiny", args.prompt_words, args.max_tokens)
                 samples.append(
-                    await one_request(session, url + "/v1/completions", keys[tenant], tenant, body())
+                    await one_request(session, url + "/v1/completions", keys[tenant], tenant, body)
                 )
 
         clients = []
@@ -196,29 +138,6 @@ async def run_phase(
         start = time.perf_counter()
         await asyncio.gather(*clients)
     return Phase(scenario, mode, start + args.warmup, stop_at, samples)
-
-
-def _stop(children: list[subprocess.Popen[bytes]]) -> None:
-    for proc in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in children:
-        try:
-            proc.wait(70)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
-
-async def _wait_ready(session: aiohttp.ClientSession, url: str, limit_s: float = 60) -> None:
-    deadline = time.perf_counter() + limit_s
-    while time.perf_counter() < deadline:
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            async with session.get(url) as r:
-                if r.status == 200:
-                    return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready in {limit_s} s")
 
 
 def summarise(phases: list[Phase], scenario: str, mode: str) -> dict[str, Any]:

@@ -110,8 +110,13 @@ class Phase:
     samples: list[Sample] = field(default_factory=list)
 
 
-def write_config(directory: Path, engine_url: str, model: str) -> tuple[Path, Path, dict[str, str]]:
-    plain = {name: "sk-fair-" + secrets.token_hex(16) for name in TENANTS}
+def write_config(
+    directory: Path, engine_url: str, model: str, weights: dict[str, float] | None = None
+) -> tuple[Path, Path, dict[str, str]]:
+    """The tenants' table and key file in ``directory`` (``weights``: tenant -> fair-share weight; default
+    :data:`TENANTS`, weight 1 each); the paths and each tenant's key."""
+    weights = weights or dict.fromkeys(TENANTS, 1.0)
+    plain = {name: "sk-fair-" + secrets.token_hex(16) for name in weights}
     table = TenantTable(
         model_deployment="fairness",
         served_model_name=model,
@@ -131,8 +136,9 @@ def write_config(directory: Path, engine_url: str, model: str) -> tuple[Path, Pa
                 pool="shared",
                 models=[model],
                 quota=KVQuota(hbm_blocks=0, hbm_burst_blocks=0),
+                fair_share_weight=weight,
             )
-            for name in TENANTS
+            for name, weight in weights.items()
         },
     )
     keys = KeyFile(
@@ -168,6 +174,19 @@ async def one_request(
     return Sample(tenant, sent, first if first is not None else now - sent, now, prompt, completion, 200)
 
 
+def completion_body(model: str, prompt_words: int, max_tokens: int) -> dict[str, Any]:
+    """A streamed completion of a unique prompt (no prefix-cache hits) and exactly ``max_tokens`` tokens."""
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(prompt_words))
+    return {
+        "model": model,
+        "prompt": words,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def run_phase(args: argparse.Namespace, engine_url: str, model: str, workdir: Path, mode: str) -> Phase:
     config, keys_path, keys = write_config(workdir, engine_url, model)
     settings = GatewaySettings(
@@ -186,20 +205,10 @@ async def run_phase(args: argparse.Namespace, engine_url: str, model: str, workd
         url = gw_url + "/v1/completions"
         stop_at = time.perf_counter() + args.warmup + args.phase_seconds
 
-        def body() -> dict[str, Any]:
-            words = " ".join(uuid.uuid4().hex[:6] for _ in range(args.prompt_words))
-            return {
-                "model": model,
-                "prompt": words,
-                "max_tokens": args.max_tokens,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-
         async def client(tenant: str) -> None:
             while time.perf_counter() < stop_at:
-                samples.append(await one_request(session, url, keys[tenant], tenant, body()))
+                body = completion_body(model, args.prompt_words, args.max_tokens)
+                samples.append(await one_request(session, url, keys[tenant], tenant, body))
 
         start = time.perf_counter()
         await asyncio.gather(*(client(t) for t, n in clients.items() for _ in range(n)))

@@ -232,6 +232,19 @@ async def wait_ready(session: aiohttp.ClientSession, target: Target, limit_s: fl
     return False
 
 
+async def wait_get_ok(session: aiohttp.ClientSession, url: str, limit_s: float = 60.0) -> None:
+    """Until ``GET url`` answers 200 (a gateway's ``/readyz``, an upstream's ``/health``); raises
+    ``RuntimeError`` after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            async with session.get(url) as r:
+                if r.status == 200:
+                    return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready in {limit_s} s")
+
+
 def write_gateway_config(
     directory: Path, upstream: str, key: str | None = None, runtime: Path = REPO / "runtime"
 ) -> tuple[Path, Path, str]:

@@ -22,9 +22,6 @@ import contextlib
 import os
 import secrets
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +36,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: the results format
 sys.path.insert(0, str(REPO / "hack"))  # devcluster: the shared store's server
 
+from bench import Processes, free_port, wait_get_ok  # noqa: E402
 from devcluster.shared_store import SharedStoreServer, start_shared_store  # noqa: E402
 from results_format import Figure, Machine, Results, add_results_argument, measured, write_results  # noqa: E402
 
@@ -57,12 +55,6 @@ from kvfleet_runtime.gateway.shared_store import PASSWORD_ENV  # noqa: E402
 MODEL = "tiny"
 MODES = ("static", "shared", "store-killed")
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(directory: Path, upstream: str, rpm: int) -> str:
@@ -96,48 +88,6 @@ def write_config(directory: Path, upstream: str, rpm: int) -> str:
     return key
 
 
-class Children:
-    """Child processes in their own sessions, ended by process group."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        log = (self.logdir / f"{name}.log").open("wb")
-        self.procs.append(
-            subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-            )
-        )
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-
-
-async def wait_ready(http: aiohttp.ClientSession, url: str, limit_s: float = 60) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            async with http.get(url) as r:
-                if r.status == 200:
-                    return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready in {limit_s} s")
-
-
 async def shared_store_up(http: aiohttp.ClientSession, metrics_url: str) -> float:
     async with http.get(metrics_url + "/metrics") as r:
         for line in (await r.text()).splitlines():
@@ -151,7 +101,7 @@ async def replicas(
     workdir: Path, n: int, upstream: str, store: SharedStoreServer | None
 ) -> AsyncIterator[list[tuple[str, str]]]:
     """``n`` gateway replicas: (public URL, metrics URL) each."""
-    children = Children(workdir)
+    children = Processes(workdir)
     urls: list[tuple[str, str]] = []
     try:
         for i in range(n):
@@ -170,7 +120,7 @@ async def replicas(
             urls.append((f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"))
         async with aiohttp.ClientSession() as http:
             for url, _ in urls:
-                await wait_ready(http, url + "/readyz")
+                await wait_get_ok(http, url + "/readyz")
         yield urls
     finally:
         children.stop()
@@ -281,7 +231,7 @@ async def run_one(args: argparse.Namespace, n: int, mode: str, upstream: str) ->
 
 @contextlib.contextmanager
 def fake_upstream(logdir: Path) -> Iterator[str]:
-    children = Children(logdir)
+    children = Processes(logdir)
     port = free_port()
     children.start("upstream", [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port)])
     try:
@@ -294,7 +244,7 @@ async def bench(args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, 
     out: dict[str, dict[str, list[dict[str, float]]]] = {}
     with fake_upstream(Path(tempfile.mkdtemp(prefix="kvfleet-shared-limits-"))) as upstream:
         async with aiohttp.ClientSession() as http:
-            await wait_ready(http, upstream + "/health")
+            await wait_get_ok(http, upstream + "/health")
         for _ in range(args.runs):
             for n in args.replicas:
                 for mode in MODES:

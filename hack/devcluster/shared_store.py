@@ -11,10 +11,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 from . import binaries
 from .processes import ManagedProcess, find_free_port, start_process, wait_until
@@ -39,18 +40,13 @@ class SharedStoreServer:
 
     def ping(self) -> bool:
         """True when the server answers an authenticated PING."""
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                sock.sendall(_command("AUTH", self.password) + _command("PING"))
-                answer = b""
-                while answer.count(b"\r\n") < 2:
-                    chunk = sock.recv(256)
-                    if not chunk:
-                        return False
-                    answer += chunk
-                return answer == b"+OK\r\n+PONG\r\n"
-        except OSError:
+            return bool(client.ping())
+        except redis.RedisError:
             return False
+        finally:
+            client.close()
 
     def start(self, timeout: float = 20.0) -> None:
         self.process = start_process(
@@ -91,14 +87,6 @@ class SharedStoreServer:
     def stop(self) -> None:
         self.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _command(*parts: str) -> bytes:
-    out = f"*{len(parts)}\r\n".encode()
-    for part in parts:
-        data = part.encode()
-        out += b"$%d\r\n%s\r\n" % (len(data), data)
-    return out
 
 
 def start_shared_store(timeout: float = 20.0) -> SharedStoreServer:

@@ -21,7 +21,6 @@ from kvfleet_runtime.gateway.shares import (
     decode_report,
     demand_fraction,
     encode_report,
-    engine_limit,
     engine_split,
 )
 from kvfleet_runtime.kv.fairness import FairQueue
@@ -113,13 +112,13 @@ def test_skewed_ingress_moves_the_engines_to_the_replica_of_the_heavier_weight()
     """Tenant a (weight 1) only on replica 1, b (weight 4) only on replica 2, each with 24 requests
     waiting or running: of the pool's 2 x 10 slots replica 1 takes 4, replica 2 takes 16."""
     r1, r2 = {"a": d(24)}, {"b": d(24, 4)}
-    assert (engine_limit(10, r1, [r2]), engine_limit(10, r2, [r1])) == (4, 16)
+    assert (engine_split(10, r1, [r2])[0], engine_split(10, r2, [r1])[0]) == (4, 16)
     # What nobody asks for is split evenly; a replica with nothing to send keeps at least one slot.
-    assert (engine_limit(10, {"a": d(3)}, [{}]), engine_limit(10, {}, [{"a": d(3)}])) == (12, 9)
-    assert engine_limit(10, {}, [{"a": d(50)}]) == 1
+    assert (engine_split(10, {"a": d(3)}, [{}])[0], engine_split(10, {}, [{"a": d(3)}])[0]) == (12, 9)
+    assert engine_split(10, {}, [{"a": d(50)}])[0] == 1
     # A tenant on both replicas: its allocation follows where its requests are.
     both1, both2 = {"a": d(30), "b": d(10, 4)}, {"b": d(30, 4)}
-    assert engine_limit(10, both1, [both2]) + engine_limit(10, both2, [both1]) == 20
+    assert engine_split(10, both1, [both2])[0] + engine_split(10, both2, [both1])[0] == 20
 
 
 def test_the_queue_reports_each_tenants_requests_waiting_and_running() -> None:

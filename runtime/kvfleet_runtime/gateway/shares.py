@@ -35,7 +35,7 @@ weight and the requests it has waiting or in flight there (``EngineDemand``). Fr
 each computes the same allocation of the pool's whole capacity (the replicas' static limits summed) to
 tenants (``allocate_engine_slots``: strict priority between SLA ranks, weighted max-min fairness within one,
 no tenant given more than it asks), and takes as its limit the part of each tenant's allocation that its own
-share of that tenant's requests calls for, plus an even part of what no tenant asks for (``engine_limit``);
+share of that tenant's requests calls for, plus an even part of what no tenant asks for (``engine_split``);
 each tenant's own part is a cap in the replica's queue (``FairQueue.caps``): a tenant at its part waits
 while another under its part waits too. Within the replica VTC orders as before, on counters that also grow
 by the service the other replicas report (each tenant's weighted tokens served there, the growth since the
@@ -60,7 +60,6 @@ __all__ = [
     "decode_report",
     "demand_fraction",
     "encode_report",
-    "engine_limit",
     "engine_split",
 ]
 
@@ -165,13 +164,6 @@ def allocate_engine_slots(capacity: float, demands: Mapping[str, EngineDemand]) 
                 left -= d.requests
                 del hungry[t]
     return out
-
-
-def engine_limit(
-    static_limit: int, mine: Mapping[str, EngineDemand], others: Sequence[Mapping[str, EngineDemand]]
-) -> int:
-    """This replica's in-flight limit on one pool's engines (``engine_split``'s first half)."""
-    return engine_split(static_limit, mine, others)[0]
 
 
 def engine_split(

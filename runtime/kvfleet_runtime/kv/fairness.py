@@ -158,7 +158,7 @@ class FairQueue(Generic[T]):
 
     def demand(self) -> dict[str, tuple[int, float, int]]:
         """Tenant -> (rank, weight, requests waiting or in flight) for every tenant with any: what the
-        gateway replicas share to split a pool's engines by weight (``gateway.shares.engine_limit``).
+        gateway replicas share to split a pool's engines by weight (``gateway.shares.engine_split``).
         Rank and weight are those of the tenant's latest request."""
         out: dict[str, tuple[int, float, int]] = {}
         for rank, tier in self._tiers.items():
