@@ -35,10 +35,12 @@ from test_operator_reconcile import (
 
 from factories import free_port
 from kvfleet_operator.build.gateway_store import PASSWORD_DATA_KEY, GatewayStore
+from kvfleet_operator.k8s.gateway_store import GatewayStoreProbe
 from kvfleet_runtime.config import TenantTable
 
-#: The gateways' shared store the operator process is given, and the Secret holding its password.
-STORE = GatewayStore("redis://store.platform.svc:6379/0", password="store-password-0123456789abcdef")
+#: The gateways' shared store the operator process is given, and the Secret holding its password. Nothing
+#: listens on port 1: the operator's probe gets the same refusal every time (``SharedStoreUnreachable``).
+STORE = GatewayStore("redis://127.0.0.1:1/0", password="store-password-0123456789abcdef")
 STORE_SECRET = {"name": "gateway-store", "key": "password"}
 
 
@@ -229,6 +231,11 @@ def test_the_gateways_get_the_shared_store_with_its_password_copied_into_the_key
     ]
     keys = get(full_cluster, f"/api/v1/namespaces/{namespace}/secrets/qwen72b-keys")
     assert base64.b64decode(keys["data"][PASSWORD_DATA_KEY]).decode() == STORE.password
+    # The operator asked that store (nothing answers): still serving, degraded, the reason says why.
+    md = get(full_cluster, f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/modeldeployments/qwen72b")
+    degraded = condition(md, "Degraded")
+    assert (degraded.get("status"), degraded.get("reason")) == ("True", "SharedStoreUnreachable"), degraded
+    assert "127.0.0.1:1" in degraded["message"] and STORE.password not in json.dumps(md)
 
 
 def test_killing_the_operator_mid_reconcile_always_converges(
@@ -254,11 +261,14 @@ def test_killing_the_operator_mid_reconcile_always_converges(
             )
 
         wait_for(converged, timeout=60, interval=0.5, what=f"churn-{i} admitted after a restart")
-    # Everything converged: an extra reconcile (with the operator's own master key) has nothing left
-    # to do, and nothing is orphaned.
+    # Everything converged: an extra reconcile (with the operator's own master key and store) has nothing
+    # left to do, and nothing is orphaned.
     master = get(full_cluster, f"/api/v1/namespaces/{namespace}/secrets/kvfleet-salt-master")
     config = dataclasses.replace(
-        CONFIG, salt_master=base64.b64decode(master["data"]["master-key"]), gateway_store=STORE
+        CONFIG,
+        salt_master=base64.b64decode(master["data"]["master-key"]),
+        gateway_store=STORE,
+        gateway_store_probe=GatewayStoreProbe(STORE),
     )
     _, mutations = reconcile(full_cluster, namespace, "qwen72b", config)
     assert mutations == 0

@@ -31,6 +31,19 @@ def l1_chunks_written(lmcache_url: str, salt: str) -> float:
     return total
 
 
+def settled_chunks_written(lmcache_url: str, salt: str, quiet_s: float = 1.5) -> float:
+    """``l1_chunks_written`` once it has not moved for ``quiet_s``: LMCache stores asynchronously, and the
+    tests before this one (same engine, same salt) may still have chunks on their way to L1."""
+    deadline = time.monotonic() + 30
+    previous = l1_chunks_written(lmcache_url, salt)
+    while True:
+        time.sleep(quiet_s)
+        current = l1_chunks_written(lmcache_url, salt)
+        if current == previous or time.monotonic() > deadline:
+            return current
+        previous = current
+
+
 def test_lmcache_reports_the_model_deployments_chunk_size(launched_engine: LaunchedEngine) -> None:
     launched = launched_engine
     status = http_json("GET", launched.lmcache_url + "/status")
@@ -39,8 +52,9 @@ def test_lmcache_reports_the_model_deployments_chunk_size(launched_engine: Launc
 
 def test_lmcache_stores_a_prompt_in_chunks_of_that_size(launched_engine: LaunchedEngine) -> None:
     launched = launched_engine
-    # Other tests send this salt's prompts to the same engine: count what this prompt adds.
-    before = l1_chunks_written(launched.lmcache_url, launched.salt)
+    # Other tests send this salt's prompts to the same engine: count what this prompt adds, from a count
+    # their stores no longer move.
+    before = settled_chunks_written(launched.lmcache_url, launched.salt)
     body = {
         "model": launched.served_model_name,
         "prompt": make_prompt(11, n_words=600),
