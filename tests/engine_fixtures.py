@@ -378,6 +378,7 @@ LAUNCH_PORT_FLAGS = (
     "--port",
     "--lmcache-port",
     "--lmcache-http-port",
+    "--kv-events-port",
     "--metrics-port",
     "--plugin-metrics-port",
 )
@@ -412,6 +413,8 @@ class LaunchedEngine:
     served_model_name: str
     chunk_size: int
     process: EngineProcess
+    block_size: int = 32  # the pool's vLLM block, in tokens
+    other_salt: str = ""  # the cache_salt of an example tenant that does not share the first one's
 
     def url(self, flag: str, host: str | None = None) -> str:
         return f"http://{host or self.address}:{self.ports[flag]}"
@@ -463,6 +466,7 @@ def launched_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     }
     proc = EngineProcess("engine-launch", [sys.executable, "-m", "kvfleet_runtime", *argv], env, work / "log")
     tenant = next(iter(rendered.table.tenants.values()))
+    salts = [derive_cache_salt(rendered.keys.salt_key, t.salt_id) for t in rendered.table.tenants.values()]
     launched = LaunchedEngine(
         address,
         ports,
@@ -471,6 +475,8 @@ def launched_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
         rendered.table.served_model_name,
         LAUNCHED_CHUNK,
         proc,
+        next(iter(rendered.table.pools.values())).block_size,
+        next(salt for salt in salts if salt != salts[0]),
     )
     try:
         try:

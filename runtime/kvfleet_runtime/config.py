@@ -35,6 +35,7 @@ ENGINE_PORT = 8000  # vLLM's OpenAI server
 PLUGIN_METRICS_PORT = 8001  # the pod's metrics: the plugin's, vLLM's, LMCache's, the sync's; no inference
 LMCACHE_SYNC_METRICS_PORT = 8002  # the LMCache quota sync's metrics (pod loopback; re-exported on 8001)
 PLUGIN_DEBUG_PORT = 8003  # the engine plugin's /debug/kv (pod loopback only)
+KV_EVENTS_PORT = 5557  # vLLM's KV events (ZMQ PUB; token ids: this ModelDeployment's gateways only)
 LMCACHE_PORT = 6555  # LMCache's ZMQ port, where vLLM's LMCacheMPConnector connects (pod loopback)
 LMCACHE_HTTP_PORT = 6556  # LMCache's HTTP API (loopback): /healthcheck, /status, /quota, /cache, /metrics
 SHARED_TIER_PORT = 6557  # the pool's shared KV tier (RESP, from the pool's engine pods only)
@@ -230,6 +231,9 @@ class EngineSettings(_Model):
     extra_args: list[str] = []
     #: ``--port`` of vLLM's OpenAI server.
     port: Port = ENGINE_PORT
+    #: Where vLLM publishes its KV events (``--kv-events-config``, ZMQ, every interface) for the gateways'
+    #: precise routing; ``None``: it publishes none.
+    kv_events_port: Port | None = None
     #: Not a vLLM flag: where the engine plugin serves its per-tenant KV metrics (``plugin_config`` reads
     #: it from this table).
     plugin_metrics_port: Port = PLUGIN_METRICS_PORT

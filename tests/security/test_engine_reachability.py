@@ -40,6 +40,7 @@ from kvfleet_operator.build.common import (
     ENGINE_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
+    KV_EVENTS_PORT,
     LABEL_SCRAPER,
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
@@ -65,6 +66,7 @@ KEYS = KeyFile(salt_key_hex="ab" * 32, key_hashes={})
 #: Every port an engine pod listens on, by what it is.
 ENGINE_PORTS = {
     "vLLM OpenAI": ENGINE_PORT,
+    "vLLM KV events": KV_EVENTS_PORT,
     "plugin metrics": PLUGIN_METRICS_PORT,
     "LMCache ZMQ": LMCACHE_PORT,
     "LMCache HTTP": LMCACHE_HTTP_PORT,
@@ -192,8 +194,9 @@ def test_pools_do_not_reach_each_other() -> None:
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_the_gateway_reaches_vllm_and_nothing_else(engine: str) -> None:
     """Threat: a compromised or buggy gateway talks to LMCache or reads the metrics; and, the other way,
-    a policy so strict that the gateway cannot serve. It reaches exactly the OpenAI port of both pools."""
-    assert allowed_ports(POLICIES, NAMESPACES, GATEWAY, ENGINES[engine]) == {ENGINE_PORT}
+    a policy so strict that the gateway cannot serve or route. It reaches exactly the OpenAI port and the
+    KV events (precise routing) of both pools."""
+    assert allowed_ports(POLICIES, NAMESPACES, GATEWAY, ENGINES[engine]) == {ENGINE_PORT, KV_EVENTS_PORT}
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))

@@ -12,6 +12,7 @@ from kvfleet_operator.build.common import (
     ENGINE_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
+    KV_EVENTS_PORT,
     LMCACHE_HTTP_PORT,
     LMCACHE_PORT,
     LMCACHE_SYNC_METRICS_PORT,
@@ -58,10 +59,14 @@ def test_engine_policy(pool: str, owner: Owner, name: str) -> None:
     spec = policy["spec"]
     assert spec["podSelector"] == {"matchLabels": selector_labels("m", "engine", pool)}
     assert spec["policyTypes"] == ["Ingress"]  # default deny for everything not listed below
-    inference, metrics = spec["ingress"]
+    inference, metrics, events = spec["ingress"]
     # Inference only from this ModelDeployment's gateway pods (same namespace: no namespaceSelector).
-    assert inference["from"] == [{"podSelector": {"matchLabels": selector_labels("m", "gateway")}}]
+    gateway = {"podSelector": {"matchLabels": selector_labels("m", "gateway")}}
+    assert inference["from"] == [gateway]
     assert _ports(inference) == {ENGINE_PORT}
+    # The KV events (every tenant's token ids): its own gateway and Endpoint Picker pods only.
+    assert events["from"] == [gateway, {"podSelector": {"matchLabels": selector_labels("m", "epp")}}]
+    assert _ports(events) == {KV_EVENTS_PORT}
     # Metrics from labelled pods of the monitoring namespace, on the metrics port only.
     assert metrics["from"] == [DEFAULT_SCRAPERS]
     assert _ports(metrics) == {PLUGIN_METRICS_PORT}

@@ -25,6 +25,8 @@ SAMPLES: dict[Any, tuple[str, Any]] = {
     s.vtc_or_fifo: ("fifo", False),
     s.shared_store_url: ("rediss://store.kvfleet-system:6380/0", "rediss://store.kvfleet-system:6380/0"),
     s.sync_interval: ("0.1", 0.1),
+    s.tcp_port: ("5558", 5558),
+    s.positive_seconds: ("0.25", 0.25),
     str: ("ca.pem", "ca.pem"),
     s.host_list: ("Images.Example.COM,cdn.example.com", frozenset({"images.example.com", "cdn.example.com"})),
 }

@@ -97,6 +97,16 @@ def _resp_adapter(key: str, expected: Any) -> Callable[[list[str]], bool]:
     return check
 
 
+def _kv_events_port(port: int) -> Callable[[list[str]], bool]:
+    def check(argv: list[str]) -> bool:
+        if "--kv-events-config" not in argv:
+            return False
+        config = json.loads(_flag(argv, "--kv-events-config"))
+        return bool(config["enable_kv_cache_events"] and config["endpoint"] == f"tcp://*:{port}")
+
+    return check
+
+
 def _l2_adapter(key: str, expected: Any) -> Callable[[list[str]], bool]:
     def check(argv: list[str]) -> bool:
         if "--l2-adapter" not in argv:
@@ -125,6 +135,7 @@ ENGINE_FIELD_CASES = [
     FieldCase("num_gpu_blocks_override", 77, _run("--num-gpu-blocks-override", "77")),
     FieldCase("extra_args", ["--max-num-seqs", "3"], lambda argv: argv[-2:] == ["--max-num-seqs", "3"]),
     FieldCase("port", 9123, _run("--port", "9123")),
+    FieldCase("kv_events_port", 5558, _kv_events_port(5558)),
     FieldCase("lmcache", LMCacheSettings(cpu_bytes=GIB, port=5601), _kv_transfer_port(5601)),
 ]
 #: Fields that are deliberately no vLLM flag, and who reads them instead.

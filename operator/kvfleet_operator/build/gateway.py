@@ -28,6 +28,7 @@ from kvfleet_operator.build.common import (
     GATEWAY_PORT,
     KEY_FILE_KEY,
     KEYS_DIR,
+    KV_EVENTS_PORT,
     SHARED_POOL,
     TENANT_TABLE_KEY,
     Obj,
@@ -139,7 +140,8 @@ def runtime_config_args() -> list[str]:
 
 def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
     """The replica count (each replica enforces 1/replicas of every tenant's rate limits, unless a shared
-    store splits them by demand), the drain time, and what the spec and the chart set."""
+    store splits them by demand), the drain time, what the spec and the chart set, and the engines' KV
+    events port (precise routing)."""
     return [
         "--replicas",
         str(g.replicas),
@@ -149,6 +151,9 @@ def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
         *gateway_connection_args(g),
         *gateway_media_args(g),
         *gateway_store_args(g.shared_store),
+        # Precise routing: the engines publish their KV events there (``build/engine.py``).
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
     ]
 
 

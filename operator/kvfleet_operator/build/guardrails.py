@@ -40,8 +40,9 @@ GUARDRAILS_ENV: Final = "KVFLEET_GUARDRAILS"
 #: a unit test keeps the two in step). vLLM keeps the last of a repeated flag and ``extraArgs`` come last,
 #: so any of these would override the operator's: ``--kv-transfer-config`` sends every tenant's KV to
 #: another LMCache, ``--host``/``--port`` move the server off the port the NetworkPolicy guards, ``--model``
-#: serves other weights, ``--allowed-media-domains`` lets vLLM fetch media from anywhere. Never allowed,
-#: whatever the platform lists.
+#: serves other weights, ``--allowed-media-domains`` lets vLLM fetch media from anywhere,
+#: ``--kv-events-config`` would publish every tenant's token ids elsewhere. Never allowed, whatever the
+#: platform lists.
 OPERATOR_ENGINE_FLAGS: Final = frozenset(
     {
         "--model",
@@ -67,6 +68,7 @@ OPERATOR_ENGINE_FLAGS: Final = frozenset(
         "--max-model-len",
         "--max-num-batched-tokens",
         "--kv-transfer-config",
+        "--kv-events-config",
         "--allowed-media-domains",
     }
 )

@@ -1,9 +1,11 @@
 """NetworkPolicies: tenants reach engines only through the gateway; metrics only from scrapers. Pure.
 
-Every engine pod is selected by its pool's policy, so it is isolated for ingress (default deny). Two rules
-admit what the pod must serve, and nothing else:
+Every engine pod is selected by its pool's policy, so it is isolated for ingress (default deny). Three
+rules admit what the pod must serve, and nothing else:
 
 * vLLM's OpenAI port (``ENGINE_PORT``) from this ModelDeployment's gateway pods, in its namespace only;
+* vLLM's KV events (``KV_EVENTS_PORT``, ZMQ; they carry every tenant's token ids) from this
+  ModelDeployment's gateway and Endpoint Picker pods only, which route by them (precise routing);
 * the plugin's metrics port (``PLUGIN_METRICS_PORT``, which serves no inference API: it re-exports vLLM's,
   LMCache's and the quota sync's series, see ``kvfleet_runtime.engine.metrics_server``) from the
   configured metrics scrapers (:class:`MetricsScrapers`) and, when it runs in the cluster, the operator's
@@ -41,6 +43,7 @@ from kvfleet_operator.build.common import (
     EPP_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
+    KV_EVENTS_PORT,
     LABEL_SCRAPER,
     PLUGIN_METRICS_PORT,
     SHARED_POOL,
@@ -182,7 +185,8 @@ def build_engine_network_policy(
     scrapers = scrapers or MetricsScrapers()
     readers = [scrapers.peer()] + ([operator.peer()] if operator is not None else [])
     # No namespaceSelector on the first peer: only pods of the policy's own namespace.
-    inference = [{"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}, *callers]
+    gateway = {"podSelector": {"matchLabels": selector_labels(model_deployment, "gateway")}}
+    inference = [gateway, *callers]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -198,6 +202,9 @@ def build_engine_network_policy(
             "ingress": [
                 {"from": inference, "ports": _ports(ENGINE_PORT)},
                 {"from": readers, "ports": _ports(PLUGIN_METRICS_PORT)},
+                # The KV events carry every tenant's token ids: this ModelDeployment's own front doors
+                # only (they route by them), never a platform gateway or a scraper.
+                {"from": [gateway, epp_pods_peer(model_deployment)], "ports": _ports(KV_EVENTS_PORT)},
             ],
         },
     }

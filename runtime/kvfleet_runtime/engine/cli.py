@@ -129,6 +129,13 @@ def register(subparsers: Any) -> None:
         help=f"LMCache HTTP API port (default: the pool's, {LMCACHE_HTTP_PORT}).",
     )
     launch.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="Port where vLLM publishes its KV events for the gateways' precise routing (ZMQ, every "
+        "interface; default: the pool's, none unless set).",
+    )
+    launch.add_argument(
         "--nvme-dir",
         default=None,
         help="Folder for LMCache's NVMe (L2) tier (default: the pool's nvme_path).",
@@ -306,6 +313,7 @@ def resolve_launch(args: argparse.Namespace, table: TenantTable) -> tuple[str, l
         lmcache_port=args.lmcache_port,
         lmcache_http_port=args.lmcache_http_port,
         nvme_dir=args.nvme_dir,
+        kv_events_port=args.kv_events_port,
         extra_vllm_args=[a for a in args.vllm_args if a != "--"],
         model_limit_of=launcher.read_model_max_len,
     )

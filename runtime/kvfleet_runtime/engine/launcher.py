@@ -171,6 +171,7 @@ def resolve_replica(
     lmcache_port: int | None = None,
     lmcache_http_port: int | None = None,
     nvme_dir: str | None = None,
+    kv_events_port: int | None = None,
     extra_vllm_args: Sequence[str] = (),
     model_limit_of: Callable[[str], int | None] | None = None,
 ) -> EngineReplica:
@@ -228,6 +229,7 @@ def resolve_replica(
             # A local copy is one revision already (vLLM would look the revision up on the hub).
             "revision": None if model is not None else base.revision,
             "port": base.port if vllm_port is None else vllm_port,
+            "kv_events_port": base.kv_events_port if kv_events_port is None else kv_events_port,
             "num_gpu_blocks_override": blocks,
             "max_model_len": max_len,
             "extra_args": [*base.extra_args, *extra_vllm_args],
@@ -247,6 +249,18 @@ def build_kv_transfer_config(lmcache: LMCacheSettings, host: str) -> dict[str, A
             "lmcache.mp.port": lmcache.port,
             "lmcache.mp.mp_transfer_mode": "lmcache_driven",
         },
+    }
+
+
+def build_kv_events_config(port: int) -> dict[str, Any]:
+    """vLLM's ``--kv-events-config``: its block pool's changes (stored, removed, cleared) published on
+    ZMQ ``port`` of every interface (vLLM binds only a wildcard address; the pod's NetworkPolicy admits
+    this ModelDeployment's gateway and Endpoint Picker pods only)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "topic": "kv",
     }
 
 
@@ -289,6 +303,8 @@ def build_vllm_args(replica: EngineReplica, python: str = sys.executable) -> lis
     if e.lmcache is not None:
         config = build_kv_transfer_config(e.lmcache, LMCACHE_HOST)
         args += ["--kv-transfer-config", json.dumps(config, sort_keys=True)]
+    if e.kv_events_port is not None:
+        args += ["--kv-events-config", json.dumps(build_kv_events_config(e.kv_events_port), sort_keys=True)]
     # Defence in depth behind the gateway's check: vLLM fetches media URLs from inside the pod (cloud
     # metadata, in-cluster services, its own loopback), so only the allowed hosts, without redirects
     # (``build_vllm_env``).

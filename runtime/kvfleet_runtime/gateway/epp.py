@@ -373,6 +373,7 @@ class EndpointPicker:
         exchange.admitted = admitted
         exchange.limit_headers = admitted.gate.rate_limit_headers()
         exchange.usage = UsageTracker()
+        await pipeline.plan_route(admitted)
         replica = await self._pick(exchange, admitted)  # stage 5
         exchange.replica = replica
         replica.in_flight += 1

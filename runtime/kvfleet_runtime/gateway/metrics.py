@@ -56,6 +56,12 @@ FAIR_VIRTUAL_TOKENS: Final = "kvfleet_gateway_fair_virtual_tokens"
 SHARED_STORE_UP: Final = "kvfleet_gateway_shared_store_up"
 SHARED_STORE_REPLICAS: Final = "kvfleet_gateway_shared_store_replicas"
 SHARED_STORE_SYNCS_TOTAL: Final = "kvfleet_gateway_shared_store_syncs_total"
+KV_INDEX_BLOCKS: Final = "kvfleet_gateway_kv_index_blocks"
+KV_EVENTS_TOTAL: Final = "kvfleet_gateway_kv_events_total"
+KV_INDEX_RESETS_TOTAL: Final = "kvfleet_gateway_kv_index_resets_total"
+ROUTE_DECISIONS_TOTAL: Final = "kvfleet_gateway_route_decisions_total"
+ROUTE_PREDICTED_CACHED_TOKENS_TOTAL: Final = "kvfleet_gateway_route_predicted_cached_tokens_total"
+ROUTE_REPORTED_CACHED_TOKENS_TOTAL: Final = "kvfleet_gateway_route_reported_cached_tokens_total"
 CONNECTIONS_CLOSED_TOTAL: Final = "kvfleet_gateway_connections_closed_total"
 RESPONSES_TOTAL: Final = "kvfleet_gateway_responses_total"
 
@@ -344,6 +350,45 @@ class GatewayMetrics:
             SHARED_STORE_SYNCS_TOTAL.removesuffix("_total"),
             "Syncs with the shared store, by outcome (ok, error).",
             ("outcome",),
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            KV_INDEX_BLOCKS,
+            "KV blocks the precise-routing index knows the pool's replicas hold (from their KV events).",
+            ("pool",),
+            registry=r,
+        )
+        self.kv_events = Counter(
+            KV_EVENTS_TOTAL.removesuffix("_total"),
+            "KV events received from the pool's engines, by kind (stored, removed, cleared, undecodable).",
+            ("pool", "kind"),
+            registry=r,
+        )
+        self.kv_index_resets = Counter(
+            KV_INDEX_RESETS_TOTAL.removesuffix("_total"),
+            "Times a replica's entries were dropped from the index, by reason (gap: events lost; restart: "
+            "the engine's sequence began again; cleared: its cache was reset; left: it left the pool; "
+            "expired and corrected count entries, not replicas).",
+            ("pool", "reason"),
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            ROUTE_DECISIONS_TOTAL.removesuffix("_total"),
+            "Replica choices, by how (precise: the longest prefix the index knows within the load bound; "
+            "affinity: the salted prefix hash, when the index knows nothing useful).",
+            ("pool", "how"),
+            registry=r,
+        )
+        self.route_predicted_cached = Counter(
+            ROUTE_PREDICTED_CACHED_TOKENS_TOTAL.removesuffix("_total"),
+            "Prompt tokens the index predicted cached on the replica it routed to (precise decisions).",
+            ("pool",),
+            registry=r,
+        )
+        self.route_reported_cached = Counter(
+            ROUTE_REPORTED_CACHED_TOKENS_TOTAL.removesuffix("_total"),
+            "Cached prompt tokens the engine reported for the same requests (to compare with the above).",
+            ("pool",),
             registry=r,
         )
         self.in_flight = LocalFamily(

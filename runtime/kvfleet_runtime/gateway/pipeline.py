@@ -10,7 +10,9 @@
    and in a worker process for large ones (400/403).
 4. ``admit``: the tenant's budget (tokens per minute, concurrency, KV) and then the pool's fair queue
    (strict priority between tiers, VTC within one); a bounded wait, or a 429 with ``Retry-After``.
-5. ``pick``: the replica by prefix affinity within a load bound, scoped by the salt (503 when none is
+5. ``plan_route`` and ``pick``: with the engines' KV events (``--kv-events-port``), the replica holding
+   the longest cached prefix of the tenant's own blocks (``kv_events``, ``kv_index``); else, or when that
+   one is over the load bound, the replica by prefix affinity, scoped by the salt (503 when none is
    healthy).
 6. forward: the front door's own (the aiohttp gateway's client in ``server.py``, Envoy for the Endpoint
    Picker in ``epp.py``).
@@ -58,6 +60,8 @@ from kvfleet_runtime.gateway.admission import (
     TenantGate,
     Throttled,
 )
+from kvfleet_runtime.gateway.kv_events import KvEventFeeds, tokenize
+from kvfleet_runtime.gateway.kv_index import chain_keys
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.refusals import (
     AMBIGUOUS_KEY,
@@ -81,7 +85,7 @@ from kvfleet_runtime.gateway.rewrite import (
     extract_usage,
     prepare_request,
 )
-from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
+from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router, select_deepest
 from kvfleet_runtime.gateway.settings import GatewaySettings
 from kvfleet_runtime.gateway.shared_store import SharedLimits, settings_from_env
 from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
@@ -131,6 +135,20 @@ class AdmittedRequest:
     slot: GateSlot
     series: RequestSeries
     arrived: float
+    #: What the KV index knows of the request's prefix (``Pipeline.plan_route``); ``None``: affinity.
+    route: RoutePlan | None = None
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """A request's block keys and how many leading blocks each replica holds; ``pick`` fills in the
+    replica it chose by them and how many blocks it expects cached there."""
+
+    keys: list[int]
+    depths: dict[str, int]
+    block_size: int
+    replica: str | None = None
+    predicted_blocks: int = 0
 
 
 class UsageTracker:
@@ -191,6 +209,10 @@ class Pipeline:
             )
             self.metrics.shared_store_up.set_function(self.shared_limits.is_up)
             self.metrics.shared_store_replicas.set_function(lambda: float(self._shared_replicas()))
+        #: The engines' KV events and the index they feed (``--kv-events-port``); ``None``: affinity only.
+        self.kv_feeds: KvEventFeeds | None = None
+        if settings.kv_events_port is not None:
+            self.kv_feeds = KvEventFeeds(settings.kv_events_port, self.metrics, settings.kv_index_ttl_s)
 
     def _shared_replicas(self) -> int:
         return self.shared_limits.replicas_seen if self.shared_limits is not None else 0
@@ -213,6 +235,8 @@ class Pipeline:
                 gate.update_limits(limits)
             policies[name] = self._policy_for(tenant, limits)
         self.routers = routers
+        if self.kv_feeds is not None:
+            self.kv_feeds.sync({name: list(router.replicas) for name, router in routers.items()})
         self._update_engine_queues(snapshot)
         self.policies = policies
         self.snapshot = snapshot
@@ -313,6 +337,8 @@ class Pipeline:
         if self.shared_limits is not None:
             await self.shared_limits.sync_once()
             self._tasks.append(asyncio.create_task(self.shared_limits.run(), name="kvfleet-shared-store"))
+        if self.kv_feeds is not None:
+            self._tasks.append(asyncio.create_task(self.kv_feeds.expire_loop(), name="kvfleet-kv-expiry"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -322,6 +348,8 @@ class Pipeline:
                 await task
         if self.shared_limits is not None:
             await self.shared_limits.close()
+        if self.kv_feeds is not None:
+            await self.kv_feeds.close()
         if self.session is not None:
             await self.session.close()
         if self._parse_pool is not None:
@@ -518,15 +546,59 @@ class Pipeline:
         return AdmittedRequest(tenant, gate, prepared, slot, series, request.arrived)
 
     # -- 5. pick ------------------------------------------------------------------------------------
+    async def plan_route(self, admitted: AdmittedRequest) -> None:
+        """Precise routing's part, before ``pick``: when the index holds blocks of this tenant's salt in
+        a pool of two replicas or more, the engine tokenizes the request and the index says how many
+        leading blocks each healthy replica holds (``admitted.route``). Anything short of that leaves
+        the request to affinity; nothing here refuses it."""
+        feeds, tenant = self.kv_feeds, admitted.tenant
+        router = self.routers.get(tenant.pool.name)
+        if feeds is None or router is None or len(router.replicas) < 2 or self.session is None:
+            return
+        index = feeds.indexes.get(tenant.pool.name)
+        healthy = router.healthy
+        if index is None or not healthy or not index.knows(tenant.cache_salt):
+            return
+        # Any healthy replica tokenizes alike (one model, one template): the least loaded.
+        loads = router.loads()
+        asked = min(sorted(healthy), key=lambda url: loads.get(url, 0))
+        timeout = self.settings.tokenize_timeout_s
+        tokens = await tokenize(self.session, asked, admitted.prepared.payload, timeout)
+        if tokens is None:
+            return
+        block_size = tenant.pool.block_size
+        # vLLM computes a prompt's last token whatever it holds: a hit is at most len - 1 tokens.
+        keys = chain_keys(tenant.cache_salt, tokens[:-1], block_size)
+        admitted.route = RoutePlan(keys, index.match(keys, healthy), block_size)
+
     def pick(self, admitted: AdmittedRequest, tried: set[str], slow: int = 0) -> ReplicaState:
-        """The replica for the request's salted prefix within the load bound, not one of ``tried``;
+        """The replica holding the longest cached prefix of the request (``plan_route``) within the load
+        bound, else the one for its salted prefix by affinity, not one of ``tried``;
         ``Refusal(NO_HEALTHY_REPLICA)`` when there is none (``slow``: of the tried, how many did not
         accept within the connect timeout, for the message)."""
         tenant = admitted.tenant
-        router = self.routers.get(tenant.pool.name)
+        pool = tenant.pool.name
+        router = self.routers.get(pool)
+        plan = admitted.route
+        if router is not None and plan is not None and plan.depths:
+            url = select_deepest(
+                plan.depths,
+                healthy=router.healthy,
+                loads=router.loads(),
+                exclude=tried,
+                load_factor=self.settings.load_factor,
+            )
+            if url is not None:
+                plan.replica, plan.predicted_blocks = url, plan.depths[url]
+                self.metrics.route_decisions.labels(pool, "precise").inc()
+                return router.replicas[url]
         key = (tenant.cache_salt + "\x00" + admitted.prepared.affinity_text).encode()
         replica = router.choose(key, tried, self.settings.load_factor) if router else None
         if replica is not None:
+            if plan is not None:
+                plan.replica, plan.predicted_blocks = None, 0
+            if self.kv_feeds is not None:
+                self.metrics.route_decisions.labels(pool, "affinity").inc()
             return replica
         pool = tenant.pool.name
         reason = (
@@ -542,6 +614,7 @@ class Pipeline:
         """What the engine reported settles the estimate and the fair-queuing counter, and is counted; a
         request no engine ran (refused by it, or sent to none) is settled at nothing."""
         if usage.seen:
+            self._check_prediction(admitted, usage.cached)
             admitted.slot.settle_usage(usage.prompt, usage.completion)
             series = admitted.series
             series.prompt_tokens.inc(usage.prompt)
@@ -549,6 +622,22 @@ class Pipeline:
             series.cached_prompt_tokens.inc(usage.cached)
         elif outcome in ("client_error", "unavailable"):
             admitted.slot.settle_usage(0, 0)
+
+    def _check_prediction(self, admitted: AdmittedRequest, cached_tokens: int) -> None:
+        """A precise decision against what the engine then reported cached: counted (the dashboards
+        compare the two), and blocks the index expected but the engine did not have are dropped."""
+        plan = admitted.route
+        if plan is None or plan.replica is None or self.kv_feeds is None:
+            return
+        pool = admitted.tenant.pool.name
+        self.metrics.route_predicted_cached.labels(pool).inc(plan.predicted_blocks * plan.block_size)
+        self.metrics.route_reported_cached.labels(pool).inc(cached_tokens)
+        cached_blocks = cached_tokens // plan.block_size
+        index = self.kv_feeds.indexes.get(pool)
+        if cached_blocks < plan.predicted_blocks and index is not None:
+            dropped = index.correct(plan.replica, plan.keys[: plan.predicted_blocks], cached_blocks)
+            if dropped:
+                self.metrics.kv_index_resets.labels(pool, "corrected").inc(dropped)
 
     def finish(self, admitted: AdmittedRequest, outcome: str) -> None:
         """The request is over: its slot released, its outcome and duration counted."""

@@ -84,6 +84,28 @@ def select_replica(
     return min(order, key=lambda r: loads.get(r, 0))
 
 
+def select_deepest(
+    depths: Mapping[str, int],
+    *,
+    healthy: set[str],
+    loads: Mapping[str, int],
+    exclude: set[str] | frozenset[str] = frozenset(),
+    load_factor: float = 1.25,
+) -> str | None:
+    """Precise routing's choice: of the replicas holding the longest cached prefix (``depths``: replica ->
+    leading blocks it holds, from ``kv_index.PrefixIndex.match``) and under the same load cap as
+    ``select_replica``, the deepest (the least loaded, then the first by name, on ties). ``None`` when
+    no replica holding a block is eligible: the caller falls back to affinity."""
+    candidates = [r for r in healthy if r not in exclude]
+    if not candidates:
+        return None
+    cap = compute_load_cap(loads, candidates, load_factor)
+    eligible = [r for r in candidates if depths.get(r, 0) > 0 and loads.get(r, 0) < cap]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda r: (-depths[r], loads.get(r, 0), r))
+
+
 @dataclass
 class ReplicaState:
     """What the gateway knows about one engine replica."""

@@ -318,6 +318,7 @@ class Gateway:
                 return refusal_response(refusal, opened.gate.rate_limit_headers())
             outcome = "cancelled"
             try:
+                await pipeline.plan_route(admitted)
                 response, outcome = await self._forward(request, endpoint, admitted, opened.reservation)
                 return response
             finally:

@@ -66,6 +66,22 @@ def shared_store_url(value: str) -> str | None:
     return value
 
 
+def tcp_port(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"wants a TCP port (1-65535), got {value!r}")
+    return int(value)
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"wants seconds above 0, got {value!r}")
+    return seconds
+
+
 def sync_interval(value: str) -> float:
     """``--shared-store-sync``: seconds, more than 0 and at most 0.25."""
     try:
@@ -224,6 +240,28 @@ class GatewaySettings:
         512, "--affinity-prefix-chars", "prompt chars in the affinity key", int
     )
     load_factor: float = setting(1.25, "--load-factor", "bounded-load factor (> 1)", float)
+    #: ``gateway.kv_events``: precise routing (``kv_index``); ``None``: affinity only.
+    kv_events_port: int | None = setting(
+        None,
+        "--kv-events-port",
+        "port of the engines' KV events (vLLM's --kv-events-config, ZMQ): with it each request goes to "
+        "the replica holding the longest cached prefix of its tenant's blocks within the load bound, by "
+        "affinity where none holds any (default: affinity only)",
+        tcp_port,
+    )
+    kv_index_ttl_s: float = setting(
+        3600.0,
+        "--kv-index-ttl",
+        "seconds a block stays in the routing index without being stored again (a safety net for a "
+        "removal event that was lost)",
+        positive_seconds,
+    )
+    tokenize_timeout_s: float = setting(
+        0.5,
+        "--tokenize-timeout",
+        "seconds precise routing waits for the engine to tokenize a request before routing it by affinity",
+        positive_seconds,
+    )
     default_max_tokens: int = setting(
         256,
         "--default-max-tokens",
