@@ -9,6 +9,7 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway_support import running_front_door
 from kvfleet_runtime.config import (
@@ -48,8 +49,17 @@ class GatewayOnVllm:
 
 @contextlib.asynccontextmanager
 async def gateway_on_vllm(
-    tmp_path: Path, engine_url: str, model: str, tenants: Sequence[Tenant], front_door: str = "aiohttp"
+    tmp_path: Path,
+    engine_url: str,
+    model: str,
+    tenants: Sequence[Tenant],
+    front_door: str = "aiohttp",
+    *,
+    more_endpoints: Sequence[str] = (),
+    **settings: Any,
 ) -> AsyncIterator[GatewayOnVllm]:
+    """``more_endpoints``: more replicas of the pool besides ``engine_url``; ``settings``: more
+    ``GatewaySettings`` fields."""
     entries = {
         t.name: TenantEntry(
             name=t.name,
@@ -70,7 +80,10 @@ async def gateway_on_vllm(
         pool_salt_id="pool",
         pools={
             "shared": PoolEntry(
-                name="shared", endpoints=[engine_url], block_size=BLOCK_SIZE, hbm_blocks_per_replica=1000
+                name="shared",
+                endpoints=[engine_url, *more_endpoints],
+                block_size=BLOCK_SIZE,
+                hbm_blocks_per_replica=1000,
             )
         },
         tenants=entries,
@@ -81,6 +94,8 @@ async def gateway_on_vllm(
     )
     (tmp_path / "tenants.json").write_text(dump_json(table))
     (tmp_path / "keys.json").write_text(dump_json(keys))
-    settings = GatewaySettings(config_path=tmp_path / "tenants.json", keys_path=tmp_path / "keys.json")
-    async with running_front_door(settings, front_door, tmp_path) as door:
+    config = GatewaySettings(
+        config_path=tmp_path / "tenants.json", keys_path=tmp_path / "keys.json", **settings
+    )
+    async with running_front_door(config, front_door, tmp_path) as door:
         yield GatewayOnVllm(door.url, plain, model, door.metrics_url)

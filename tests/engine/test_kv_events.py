@@ -14,19 +14,41 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 from engine_helpers import make_prompt
+from gateway_on_vllm import Tenant, gateway_on_vllm
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import LaunchedEngine
 from kvfleet_runtime.gateway.kv_events import KvEventFeeds, tokenize
 from kvfleet_runtime.gateway.kv_index import PrefixIndex, chain_keys
-from kvfleet_runtime.gateway.metrics import KV_EVENTS_TOTAL, GatewayMetrics
+from kvfleet_runtime.gateway.metrics import (
+    KV_EVENTS_TOTAL,
+    KV_INDEX_BLOCKS,
+    ROUTE_DECISIONS_TOTAL,
+    ROUTE_PREDICTED_CACHED_TOKENS_TOTAL,
+    ROUTE_REPORTED_CACHED_TOKENS_TOTAL,
+    GatewayMetrics,
+)
 
 
 async def _until(predicate: object, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+async def _until_async(
+    predicate: Callable[[str], bool], read: Callable[[], Awaitable[str]], what: str, timeout_s: float = 30.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate(await read()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.2)
@@ -81,3 +103,69 @@ def test_the_index_holds_each_tenants_blocks_under_its_own_salt_only(launched_en
     stored = metrics.registry.get_sample_value(KV_EVENTS_TOTAL, {"pool": "pool", "kind": "stored"})
     assert stored is not None and stored >= 2
     assert index.knows(launched.salt) and index.knows(launched.other_salt)
+
+
+def _sample(metrics_text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_the_gateway_routes_a_repeat_by_the_index_and_never_by_another_tenants_blocks(
+    launched_engine: LaunchedEngine, tmp_path: Path
+) -> None:
+    """The whole path through the real gateway: a pool of two replicas (the launched engine under two
+    addresses, each followed on its KV events port), tenants with salts of their own. A tenant's first
+    request is routed by affinity (the index knows none of its blocks); its repeat by the index, which
+    predicts the cached tokens the engine then reports. Another tenant sending the very same prompt is
+    routed by affinity: it never matches the first tenant's blocks."""
+    launched = launched_engine
+    replicas = [launched.vllm_url, launched.url("--port")]  # loopback, and the "pod IP"
+    prompt = f"{uuid.uuid4().hex} " + make_prompt(101, n_words=300)
+
+    async def scenario() -> str:
+        async with (
+            gateway_on_vllm(
+                tmp_path,
+                replicas[0],
+                launched.served_model_name,
+                [Tenant("first"), Tenant("second")],
+                more_endpoints=replicas[1:],
+                kv_events_port=launched.ports["--kv-events-port"],
+            ) as gw,
+            aiohttp.ClientSession() as session,
+        ):
+
+            async def send(tenant: str) -> dict[str, Any]:
+                body = {"model": gw.model, "prompt": prompt, "max_tokens": 1}
+                headers = {"authorization": f"Bearer {gw.keys[tenant]}"}
+                async with session.post(gw.url + "/v1/completions", json=body, headers=headers) as resp:
+                    assert resp.status == 200, await resp.text()
+                    answer: dict[str, Any] = await resp.json()
+                    return answer
+
+            async def metrics() -> str:
+                async with session.get(gw.metrics_url + "/metrics") as resp:
+                    return await resp.text()
+
+            await asyncio.sleep(1.0)  # the subscriptions join before the first events
+            await send("first")
+            await _until_async(
+                lambda text: _sample(text, KV_INDEX_BLOCKS, pool="shared") > 0, metrics, "the first blocks"
+            )
+            await send("first")
+            await send("second")
+            return await metrics()
+
+    text = asyncio.run(scenario())
+    decisions = {
+        how: _sample(text, ROUTE_DECISIONS_TOTAL, pool="shared", how=how) for how in ("precise", "affinity")
+    }
+    # first: affinity, then precise; second: affinity (its salt has no block anywhere).
+    assert decisions == {"precise": 1, "affinity": 2}, decisions
+    predicted = _sample(text, ROUTE_PREDICTED_CACHED_TOKENS_TOTAL, pool="shared")
+    reported = _sample(text, ROUTE_REPORTED_CACHED_TOKENS_TOTAL, pool="shared")
+    assert predicted >= 4 * launched.block_size and reported >= predicted, (predicted, reported)
