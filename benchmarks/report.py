@@ -972,6 +972,28 @@ def render_fairness_replicas_vllm(f: Files, name: str) -> str:
     return f"`{r.command}`:\n\n" + table(header, rows)
 
 
+def render_routing_vllm(f: Files) -> str:
+    r = f["routing_vllm"]
+    scenarios = list(dict.fromkeys(key.split(".", 1)[0] for key in r.figures))
+    rows = []
+    for scenario in scenarios:
+        for mode in ("affinity", "precise"):
+            prefix = f"{scenario}.{mode}."
+            hit = median(r.figure(prefix + "hit_rate"))
+            rows.append(
+                [
+                    scenario,
+                    mode,
+                    num(hit, 3),
+                    num(1 - hit, 3),
+                    num(median(r.figure(prefix + "ttft_p50")) * 1000) + " ms",
+                    num(median(r.figure(prefix + "ttft_p99")) * 1000) + " ms",
+                ]
+            )
+    header = ["scenario", "routing", "prefix hit rate", "recomputed", "TTFT p50", "TTFT p99"]
+    return f"`{r.command}`:\n\n" + table(header, rows)
+
+
 # --- the page -------------------------------------------------------------------------------------------
 
 
@@ -1036,6 +1058,7 @@ BLOCKS: dict[str, Block] = {
     "fairness_replicas_vllm": Block(
         ("fairness_replicas_vllm",), lambda f: render_fairness_replicas_vllm(f, "fairness_replicas_vllm")
     ),
+    "routing_vllm": Block(("routing_vllm",), render_routing_vllm),
 }
 
 

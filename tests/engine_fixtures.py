@@ -323,6 +323,7 @@ def _vllm_starter(tiny_model: Path, engine_state_dir: Path) -> Iterator[Callable
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         served_model_name: str = "tiny",
+        kv_events: bool = False,
     ) -> VllmServer:
         n = next(_ENGINE_SEQ)
         work = engine_state_dir / f"vllm-{n}"
@@ -338,6 +339,7 @@ def _vllm_starter(tiny_model: Path, engine_state_dir: Path) -> Iterator[Callable
                 max_model_len=max_model_len,
                 lmcache=lmcache.settings if lmcache else None,
                 extra_args=args,
+                kv_events_port=free_port() if kv_events else None,
             ),
             served_model_name=served_model_name,
             block_size=32,

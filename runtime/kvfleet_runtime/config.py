@@ -248,6 +248,10 @@ class PoolEntry(_Model):
     endpoints: list[str] = []
     #: Base URLs of each replica's LMCache HTTP API, same order as ``endpoints``.
     lmcache_endpoints: list[str] = []
+    #: Where each replica publishes its KV events (``tcp://host:port``), same order as ``endpoints``, for
+    #: replicas that do not all use the gateway's ``--kv-events-port`` (engines sharing one host); empty:
+    #: that flag on each replica's host.
+    kv_events_endpoints: list[str] = []
     #: Tokens per KV block (vLLM's ``--block-size``).
     block_size: Annotated[int, Field(gt=0)]
     #: KV blocks per replica as the operator sized them (vLLM's ``--num-gpu-blocks-override``).

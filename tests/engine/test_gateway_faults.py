@@ -77,6 +77,7 @@ def write_gateway_config(
     tenants: dict[str, str],
     lmcache_endpoints: list[str] | None = None,
     nvme_bytes: int = 0,
+    kv_events_endpoints: list[str] | None = None,
 ) -> Config:
     """A tenant table with ``tenants`` (name -> pool), every one salted, and one key each."""
     table = TenantTable(
@@ -90,6 +91,7 @@ def write_gateway_config(
                 block_size=32,
                 hbm_blocks_per_replica=1000,
                 lmcache_endpoints=lmcache_endpoints or [],
+                kv_events_endpoints=kv_events_endpoints or [],
                 nvme_bytes_per_replica=1 << 30,
                 cpu_bytes_per_replica=1 << 28,
             )
@@ -202,16 +204,21 @@ async def complete(
         return r.status, await r.json(content_type=None), time.monotonic() - t0
 
 
+def events_endpoint(engine: VllmServer) -> str:
+    return f"tcp://127.0.0.1:{engine.replica.engine.kv_events_port}"
+
+
 # -- engines ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engines(vllm_factory: Callable[..., VllmServer]) -> Callable[[int], list[VllmServer]]:
-    """``get(n)``: ``n`` running engines, started as needed; engines a test killed are replaced."""
+    """``get(n)``: ``n`` running engines, started as needed; engines a test killed are replaced. Each
+    publishes its KV events (``events_endpoint``), for the tests that route precisely."""
     alive: list[VllmServer] = []
 
     def get(n: int) -> list[VllmServer]:
         alive[:] = [e for e in alive if e.process.proc.poll() is None]
         while len(alive) < n:
-            alive.append(vllm_factory())
+            alive.append(vllm_factory(kv_events=True))
         return alive[:n]
 
     return get
@@ -512,9 +519,16 @@ async def test_gateway_roll_loses_no_request(
 async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int], list[VllmServer]]) -> None:
     """kill -9 of the engine serving a stream: the client's stream ends at once with an OpenAI-shaped error
     event (and no ``[DONE]``, which would say the answer is complete), the replica is out of rotation
-    within the health interval, new requests are served by the other replica, and nothing was sent twice."""
+    within the health interval, new requests are served by the other replica, and nothing was sent twice.
+    The gateway routes precisely (it follows both engines' KV events): the stream goes where its prompt's
+    blocks are, by the index, and the dead replica is never chosen again, whatever the index held."""
     pair = engines(2)
-    cfg = write_gateway_config(tmp_path, {"shared": [e.base_url for e in pair]}, {"acme": "shared"})
+    cfg = write_gateway_config(
+        tmp_path,
+        {"shared": [e.base_url for e in pair]},
+        {"acme": "shared"},
+        kv_events_endpoints=[events_endpoint(e) for e in pair],
+    )
     async with (
         gateway_process(tmp_path, cfg.path, cfg.keys_path, *gateway_flags()) as gw,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
@@ -530,7 +544,7 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
         while not all([await metric(gw, m.REPLICA_HEALTHY, replica=e.base_url) == 1 for e in pair]):
             assert time.monotonic() < deadline, "both engines in the gateway's rotation within 30 s"
             await asyncio.sleep(0.1)
-        prompt = "a long answer please"
+        prompt = "a long answer please " * 8  # whole KV blocks: vLLM publishes them
         probed = [success_count(e) for e in pair]
         status, body, _ = await complete(http, gw.url, cfg.keys["acme"], prompt)
         assert status == 200, body
@@ -541,6 +555,12 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
             if not serving:
                 await asyncio.sleep(0.1)
         (victim,) = serving
+        # The index has the probe's blocks (vLLM publishes them as it caches them): the stream is routed
+        # by them, to the same replica.
+        deadline = time.monotonic() + 30
+        while await metric(gw, m.KV_INDEX_BLOCKS, pool="shared") == 0:
+            assert time.monotonic() < deadline, "the probe's blocks in the gateway's index within 30 s"
+            await asyncio.sleep(0.1)
         before = [success_count(e) for e in pair]
         started = asyncio.Event()
         task = asyncio.create_task(stream(http, gw.url, cfg.keys["acme"], prompt, 1800, first_events=started))
@@ -576,6 +596,7 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
         # At most once: the survivor finished exactly the 6 new requests (the broken stream was not
         # re-sent to it), the victim the ones before.
         assert success_count(survivor) - before[pair.index(survivor)] == 6
+        assert await metric(gw, m.ROUTE_DECISIONS_TOTAL, how="precise") >= 1  # the stream's
         assert await metric(gw, m.UPSTREAM_ERRORS_TOTAL, kind="disconnect") >= 1
         print(f"\nkill -9 mid-stream: stream ended {ended_after:.2f} s after the kill, replica out after "
               f"{out_after:.2f} s")  # fmt: skip

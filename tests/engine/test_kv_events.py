@@ -24,7 +24,7 @@ from gateway_on_vllm import Tenant, gateway_on_vllm
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import LaunchedEngine
-from kvfleet_runtime.gateway.kv_events import KvEventFeeds, tokenize
+from kvfleet_runtime.gateway.kv_events import KvEventFeeds, events_address, tokenize
 from kvfleet_runtime.gateway.kv_index import PrefixIndex, chain_keys
 from kvfleet_runtime.gateway.metrics import (
     KV_EVENTS_TOTAL,
@@ -73,8 +73,8 @@ def test_the_index_holds_each_tenants_blocks_under_its_own_salt_only(launched_en
 
     async def scenario() -> tuple[PrefixIndex, GatewayMetrics]:
         metrics = GatewayMetrics()
-        feeds = KvEventFeeds(launched.ports["--kv-events-port"], metrics)
-        feeds.sync({"pool": [url]})
+        feeds = KvEventFeeds(metrics)
+        feeds.sync({"pool": {url: events_address(url, launched.ports["--kv-events-port"])}})
         index = feeds.indexes["pool"]
         await asyncio.sleep(1.0)  # a ZMQ subscriber misses what is published before it has joined
         try:

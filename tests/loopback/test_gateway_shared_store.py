@@ -1,7 +1,8 @@
 """Gateway replicas split a tenant's rate limits through a real shared store (Debian's redis-server, with
 a password; gateway/shared_store.py): a tenant whose traffic all lands on one replica gets its whole
 limit there instead of 1/replicas, and when the store is killed each replica falls back to its static
-share within a second, answering every request meanwhile (200 or 429, never an error).
+share within a second, answering every request meanwhile (200 or 429, never an error); when a replica is
+killed, the survivor's clients see no error and it takes the whole limit once the store drops the dead one.
 
 Two real gateway processes; the engine is ``FakeEngine`` (the rate limits are the gateway's alone, and an
 engine that answers at once keeps the test short). The measured version, with 2 and 4 replicas over a
@@ -196,3 +197,36 @@ async def test_replicas_share_the_engines_by_weight_under_skewed_ingress(
     # Replica a's own part of the engines is 5 slots, shared 3.6:1.6 by the split; each replica rounds a
     # tenant's part up to a whole request, so light gets a little more than its fifth (measured: 1:2.8).
     assert jain >= 0.95 and served[1] / served[0] >= 2.5, (served, jain, done)
+
+
+async def test_a_killed_replica_costs_only_its_own_requests_and_the_survivor_takes_the_whole_limit(
+    tmp_path: Path, store: SharedStoreServer
+) -> None:
+    """Fault: one of two gateway replicas is killed (SIGKILL) mid-load. Its own clients lose what they had
+    in flight to it (a load balancer sends their next connections to the survivor); the survivor's never
+    see an error, and once the store drops the dead replica (3 s without a sync) the survivor admits the
+    tenant's whole limit instead of its half."""
+    tenants = [TenantRow("acme", rate_limits=RateLimits(requests_per_minute=RPM))]
+    keys, plain = build_keys(tenants)
+    async with fake_engines(1) as engines, aiohttp.ClientSession() as http:
+        config, keys_path = write_config(tmp_path, build_table(tenants, {"shared": [engines[0].url]}), keys)
+        flags = ("--replicas", "2", "--shared-store", store.url, "--parse-workers", "0")
+        async with (
+            gateway_process(tmp_path, config, keys_path, *flags) as a,
+            gateway_process(tmp_path, config, keys_path, *flags) as b,
+        ):
+            for gw in (a, b):
+                await wait_gauge(http, gw, "kvfleet_gateway_shared_store_replicas", 2, 5)
+            survivor, doomed = Load(http, a, plain["acme"][0]), Load(http, b, plain["acme"][0])
+            async with survivor.running(), doomed.running():
+                await survivor.first_refusal(timeout_s=30)
+                await asyncio.sleep(1.0)
+                b.proc.kill()
+                await b.proc.wait()
+                dropped_s = await wait_gauge(http, a, "kvfleet_gateway_shared_store_replicas", 1, 8)
+                await asyncio.sleep(1.5)  # the demand's time constant: the split follows
+                alone = await survivor.admitted_in(4.0)
+            assert set(survivor.statuses) == {200, 429}, survivor.statuses
+    whole = RPM / 60 * 4
+    assert dropped_s < 5.0, dropped_s
+    assert whole * 0.85 <= alone <= whole * 1.05 + 1, (alone, whole)

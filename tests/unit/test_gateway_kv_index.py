@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet_runtime.gateway.kv_events import events_address, tokenize_request
+from kvfleet_runtime.gateway.kv_events import events_address, pool_event_addresses, tokenize_request
 from kvfleet_runtime.gateway.kv_index import (
     Cleared,
     PrefixIndex,
@@ -203,3 +203,16 @@ def test_the_events_address_of_a_replica() -> None:
         == "tcp://m-engine-0.m-engine.ns.svc:5557"
     )
     assert events_address("http://[fd00::1]:8000", 5557) == "tcp://[fd00::1]:5557"
+
+
+def test_where_each_replica_is_followed() -> None:
+    """The table's ``kv_events_endpoints`` where it lists one (engines sharing a host), else the flag's
+    port on the replica's host, else nowhere (affinity only)."""
+    endpoints = [A + "/", B]
+    assert pool_event_addresses(endpoints, [], 5557) == {A: "tcp://10.0.0.1:5557", B: "tcp://10.0.0.2:5557"}
+    assert pool_event_addresses(endpoints, ["tcp://10.0.0.1:7001"], 5557) == {
+        A: "tcp://10.0.0.1:7001",
+        B: "tcp://10.0.0.2:5557",
+    }
+    assert pool_event_addresses(endpoints, ["", "tcp://10.0.0.2:7002"], None) == {B: "tcp://10.0.0.2:7002"}
+    assert pool_event_addresses(endpoints, [], None) == {}

@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -47,9 +47,22 @@ CHAT_TOKENIZE_FIELDS = (
 
 
 def events_address(replica_url: str, port: int) -> str:
-    """The ZMQ address of ``replica_url``'s KV events."""
+    """The ZMQ address of ``replica_url``'s KV events on ``port`` of its host."""
     host = urlsplit(replica_url).hostname or ""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def pool_event_addresses(endpoints: list[str], listed: list[str], port: int | None) -> dict[str, str]:
+    """Replica URL -> where to follow its KV events: the table's ``kv_events_endpoints`` (same order as
+    ``endpoints``) where it lists them, else ``port`` on the replica's host; a replica with neither is
+    not followed (routed by affinity)."""
+    out: dict[str, str] = {}
+    for i, url in enumerate(e.rstrip("/") for e in endpoints):
+        if i < len(listed) and listed[i]:
+            out[url] = listed[i]
+        elif port is not None:
+            out[url] = events_address(url, port)
+    return out
 
 
 def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
@@ -109,18 +122,16 @@ class KvEventFeeds:
 
     def __init__(
         self,
-        port: int,
         metrics: GatewayMetrics,
         ttl_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.port = port
         self.metrics = metrics
         self.ttl_s = ttl_s
         self.clock = clock
         self.indexes: dict[str, PrefixIndex] = {}
         self._ctx = zmq.asyncio.Context()
-        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._tasks: dict[tuple[str, str, str], asyncio.Task[None]] = {}
         self._decoder = msgspec.msgpack.Decoder()
 
     def index(self, pool: str) -> PrefixIndex:
@@ -130,28 +141,28 @@ class KvEventFeeds:
             self.metrics.kv_index_blocks.labels(pool).set_function(lambda: float(index.size))
         return index
 
-    def sync(self, pools: dict[str, Iterable[str]]) -> None:
-        """Subscribe to every replica of ``pools`` (pool -> replica URLs), drop the others and forget what
-        their engines held."""
-        wanted = {(pool, url) for pool, urls in pools.items() for url in urls}
+    def sync(self, pools: Mapping[str, Mapping[str, str]]) -> None:
+        """Follow every replica of ``pools`` (pool -> replica URL -> its events' address), stop following
+        the others and forget what their engines held."""
+        wanted = {(pool, url, at) for pool, replicas in pools.items() for url, at in replicas.items()}
         for key in [k for k in self._tasks if k not in wanted]:
             self._tasks.pop(key).cancel()
         for pool in pools:
-            for gone in self.index(pool).retain(url for p, url in wanted if p == pool):
+            for gone in self.index(pool).retain(url for p, url, _ in wanted if p == pool):
                 log.info("replica %s left pool %s: its KV blocks are forgotten", gone, pool)
                 self.metrics.kv_index_resets.labels(pool, "left").inc()
         for pool in [p for p in self.indexes if p not in pools]:
             del self.indexes[pool]
-        for pool, url in wanted - set(self._tasks):
-            self._tasks[(pool, url)] = asyncio.create_task(
-                self._follow(pool, url), name=f"kvfleet-kv-events-{pool}"
+        for pool, url, address in wanted - set(self._tasks):
+            self._tasks[(pool, url, address)] = asyncio.create_task(
+                self._follow(pool, url, address), name=f"kvfleet-kv-events-{pool}"
             )
 
-    async def _follow(self, pool: str, url: str) -> None:
+    async def _follow(self, pool: str, url: str, address: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(events_address(url, self.port))
+        sock.connect(address)
         try:
             while True:
                 frames = await sock.recv_multipart()

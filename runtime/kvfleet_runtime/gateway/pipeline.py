@@ -60,7 +60,7 @@ from kvfleet_runtime.gateway.admission import (
     TenantGate,
     Throttled,
 )
-from kvfleet_runtime.gateway.kv_events import KvEventFeeds, tokenize
+from kvfleet_runtime.gateway.kv_events import KvEventFeeds, pool_event_addresses, tokenize
 from kvfleet_runtime.gateway.kv_index import chain_keys
 from kvfleet_runtime.gateway.metrics import GatewayMetrics, RequestSeries
 from kvfleet_runtime.gateway.refusals import (
@@ -209,10 +209,9 @@ class Pipeline:
             )
             self.metrics.shared_store_up.set_function(self.shared_limits.is_up)
             self.metrics.shared_store_replicas.set_function(lambda: float(self._shared_replicas()))
-        #: The engines' KV events and the index they feed (``--kv-events-port``); ``None``: affinity only.
+        #: The engines' KV events and the index they feed (``--kv-events-port``, or the table's
+        #: ``kv_events_endpoints``); ``None`` until some replica publishes any: affinity only.
         self.kv_feeds: KvEventFeeds | None = None
-        if settings.kv_events_port is not None:
-            self.kv_feeds = KvEventFeeds(settings.kv_events_port, self.metrics, settings.kv_index_ttl_s)
 
     def _shared_replicas(self) -> int:
         return self.shared_limits.replicas_seen if self.shared_limits is not None else 0
@@ -235,8 +234,7 @@ class Pipeline:
                 gate.update_limits(limits)
             policies[name] = self._policy_for(tenant, limits)
         self.routers = routers
-        if self.kv_feeds is not None:
-            self.kv_feeds.sync({name: list(router.replicas) for name, router in routers.items()})
+        self._follow_kv_events(snapshot)
         self._update_engine_queues(snapshot)
         self.policies = policies
         self.snapshot = snapshot
@@ -249,6 +247,20 @@ class Pipeline:
         log.info(
             "configuration loaded: %d tenants, %d pools", len(snapshot.tenants), len(snapshot.table.pools)
         )
+
+    def _follow_kv_events(self, snapshot: GatewaySnapshot) -> None:
+        """Follow the KV events of every replica that publishes them (precise routing)."""
+        port = self.settings.kv_events_port
+        addresses = {
+            name: pool_event_addresses(pool.endpoints, pool.kv_events_endpoints, port)
+            for name, pool in snapshot.table.pools.items()
+        }
+        if self.kv_feeds is None and any(addresses.values()):
+            self.kv_feeds = KvEventFeeds(self.metrics, self.settings.kv_index_ttl_s)
+            if self._tasks:  # started already: a reload brought the first publisher
+                self._tasks.append(asyncio.create_task(self.kv_feeds.expire_loop(), name="kvfleet-kv-expiry"))
+        if self.kv_feeds is not None:
+            self.kv_feeds.sync(addresses)
 
     def _update_engine_queues(self, snapshot: GatewaySnapshot) -> None:
         """One ``EngineQueue`` per pool, its limit scaled to the pool's replicas; counters survive reloads."""
