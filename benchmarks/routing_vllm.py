@@ -87,9 +87,8 @@ from kvfleet_runtime.engine.launcher import (  # noqa: E402
 from kvfleet_runtime.engine.tinymodel import build_tiny_model  # noqa: E402
 from kvfleet_runtime.gateway import metrics as gm  # noqa: E402
 
-SCENARIOS = ("sessions", "added", "hot-prefix")
+SCENARIOS = ("sessions", "added", "restarted", "hot-prefix")
 MODES = ("affinity", "precise")
-TENANTS = [f"t{i}" for i in range(6)]
 MODEL = "tiny"
 BLOCK_SIZE = 32
 
@@ -120,6 +119,7 @@ def words(rng: random.Random, n: int) -> str:
 def write_table(
     directory: Path, engines: list[Engine], mode: str, shared: bool, keys: dict[str, str], salt_key: str
 ) -> None:
+    """``keys``: tenant -> its API key."""
     """The tenants (salted, or all in the pool's shared salt) and a pool of ``engines``; their events
     listed only in ``precise`` mode. Written to a temporary name and renamed: the gateway never reads half
     a file."""
@@ -142,12 +142,12 @@ def write_table(
                 tier=SlaTier.STANDARD,
                 priority=TIER_PRIORITY[SlaTier.STANDARD],
                 isolation=Isolation.SHARED if shared else Isolation.SALTED,
-                salt_id=f"tenant-{name}",
+                salt_id="pool" if shared else f"tenant-{name}",
                 pool="shared",
                 models=[MODEL],
                 quota=KVQuota(hbm_blocks=0, hbm_burst_blocks=0),
             )
-            for name in TENANTS
+            for name in keys
         },
     )
     key_file = KeyFile(salt_key_hex=salt_key, key_hashes={n: [hash_api_key(k)] for n, k in keys.items()})
@@ -219,7 +219,8 @@ async def run_phase(
     args: argparse.Namespace, engines: list[Engine], workdir: Path, scenario: str, mode: str, seed: int
 ) -> tuple[list[Sample], dict[str, float]]:
     rng = random.Random(seed)  # noqa: S311 - reproducible prompts, not secrets
-    keys = {name: "sk-route-" + secrets.token_hex(16) for name in TENANTS}
+    tenants = [f"t{i}" for i in range(args.tenants)]
+    keys = {name: "sk-route-" + secrets.token_hex(16) for name in tenants}
     salt_key = secrets.token_hex(32)  # fresh salts: no phase finds another's blocks
     shared = scenario == "hot-prefix"
     start_with = engines[:2] if scenario == "added" else engines
@@ -233,7 +234,7 @@ async def run_phase(
         "--reload-interval", "0.5",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    systems = {t: words(rng, args.system_words) for t in TENANTS}
+    systems = {t: words(rng, args.system_words) for t in tenants}
     hot = words(rng, args.hot_words)
     samples: list[Sample] = []
     children = Processes(workdir)
@@ -255,25 +256,31 @@ async def run_phase(
                 samples.append(Sample(scenario, mode, now, ttft, prompt, cached, status))
 
         async def sessions_client(c: int) -> None:
+            """Keeps ``--open-sessions`` sessions going, one turn of a random one at a time (a user comes
+            back to a conversation now and then); a session ``--turns`` long is replaced by a new one,
+            which opens with a document of its own after the tenant's system prompt."""
             crng = random.Random(seed * 1000 + c)  # noqa: S311
+
+            def new_session() -> tuple[str, str, int]:
+                tenant = crng.choice(tenants)
+                return tenant, f"{systems[tenant]}\nDocument: {words(crng, args.document_words)}", 0
+
+            open_sessions = [new_session() for _ in range(args.open_sessions)]
             while time.perf_counter() < stop_at:
-                tenant = crng.choice(TENANTS)
-                history = systems[tenant]
-                for _ in range(args.turns):
-                    question = words(crng, args.turn_words)
-                    prompt = f"{history}\nUser: {question}\nAssistant:"
-                    status, ttft, p, cached, answer = await one_request(
-                        session, url + "/v1/completions", keys[tenant], prompt, args.max_tokens
-                    )
-                    await record(status, ttft, p, cached)
-                    history = prompt + answer
-                    if time.perf_counter() >= stop_at:
-                        return
+                i = crng.randrange(len(open_sessions))
+                tenant, history, turns = open_sessions[i]
+                prompt = f"{history}\nUser: {words(crng, args.turn_words)}\nAssistant:"
+                status, ttft, p, cached, answer = await one_request(
+                    session, url + "/v1/completions", keys[tenant], prompt, args.max_tokens
+                )
+                await record(status, ttft, p, cached)
+                turns += 1
+                open_sessions[i] = new_session() if turns >= args.turns else (tenant, prompt + answer, turns)
 
         async def hot_client(c: int) -> None:
             crng = random.Random(seed * 1000 + c)  # noqa: S311
             while time.perf_counter() < stop_at:
-                tenant = crng.choice(TENANTS)
+                tenant = crng.choice(tenants)
                 prompt = f"{hot}\nUser: {uuid.uuid4().hex[:8]} {words(crng, args.turn_words)}\nAssistant:"
                 status, ttft, p, cached, _ = await one_request(
                     session, url + "/v1/completions", keys[tenant], prompt, args.max_tokens
@@ -284,10 +291,26 @@ async def run_phase(
             await asyncio.sleep(args.warmup + args.phase_seconds / 3)
             write_table(workdir, engines, mode, shared, keys, salt_key)
 
+        async def restart() -> None:
+            """One replica out of the pool, its cache lost (vLLM's reset, which publishes
+            AllBlocksCleared, as a restarted engine starts empty), back in the pool."""
+            await asyncio.sleep(args.warmup + args.phase_seconds / 3)
+            write_table(workdir, engines[:2], mode, shared, keys, salt_key)
+            await asyncio.sleep(3.0)  # its requests in flight finish
+            while True:
+                async with session.post(engines[2].url + "/reset_prefix_cache") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(2.0)
+            write_table(workdir, engines, mode, shared, keys, salt_key)
+
         client = hot_client if shared else sessions_client
         tasks = [client(c) for c in range(args.clients)]
         if scenario == "added":
             tasks.append(scale_out())
+        elif scenario == "restarted":
+            tasks.append(restart())
         await asyncio.gather(*tasks)
         totals = await metric_totals(session, f"http://127.0.0.1:{metrics_port}")
     return samples, totals
@@ -337,7 +360,8 @@ def start_engines(
         )
         folder = work / f"engine-{i}"
         folder.mkdir()
-        env = build_vllm_env(replica, os.environ, folder)
+        # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, the "restarted" scenario's lost cache.
+        env = {**build_vllm_env(replica, os.environ, folder), "VLLM_SERVER_DEV_MODE": "1"}
         procs.append(
             EngineProcess(f"vllm-{i}", build_vllm_args(replica, sys.executable), env, folder / "vllm.log")
         )
@@ -357,8 +381,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds at each phase's start")
     parser.add_argument("--rounds", type=int, default=2, help="every scenario in both modes, this many times")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    parser.add_argument("--turns", type=int, default=6, help="turns per chat session")
-    parser.add_argument("--system-words", type=int, default=80, help="words in a tenant's system prompt")
+    parser.add_argument("--tenants", type=int, default=6, help="tenants sending")
+    parser.add_argument("--turns", type=int, default=12, help="turns per chat session")
+    parser.add_argument("--open-sessions", type=int, default=4, help="sessions each client keeps going")
+    parser.add_argument("--document-words", type=int, default=120, help="words of a session's document")
+    parser.add_argument("--system-words", type=int, default=40, help="words in a tenant's system prompt")
     parser.add_argument("--hot-words", type=int, default=200, help="words in the shared hot prompt")
     parser.add_argument("--turn-words", type=int, default=12, help="words in a user turn")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -407,9 +434,10 @@ def main() -> None:
     )
     settings = {
         k: getattr(args, k)
-        for k in ("clients", "phase_seconds", "warmup", "rounds", "turns", "system_words", "hot_words")
+        for k in ("clients", "tenants", "phase_seconds", "warmup", "rounds", "turns", "system_words")
     }
-    details: dict[str, Any] = {"settings": {**settings, "turn_words": args.turn_words}, **result}
+    more = {k: getattr(args, k) for k in ("hot_words", "turn_words", "open_sessions", "document_words")}
+    details: dict[str, Any] = {"settings": {**settings, **more}, **result}
     write_results(measured(name_of(args.results), command_line(), figures, machine, details), args.results)
     for scenario, modes in result.items():
         for mode, r in modes.items():

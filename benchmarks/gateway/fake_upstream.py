@@ -5,9 +5,11 @@ document (``/v1/models`` lists the model, ``/health`` is empty), so proxies can 
 discover it. A POST whose body asks for ``"stream": true`` is answered as vLLM streams a chat
 completion: Server-Sent Events in chunked encoding, ``--stream-chunks`` content chunks
 ``--chunk-interval`` seconds apart, a usage-only chunk when ``stream_options.include_usage`` asks for
-it, then ``data: [DONE]``. It parses just enough HTTP/1.1 (request line, headers, ``Content-Length``
-body) to serve keep-alive connections, and costs a few microseconds per request, so what a benchmark
-measures on top of it is the proxy.
+it, then ``data: [DONE]``. ``POST /tokenize`` (vLLM's, which precise routing asks) is answered with
+``--tokenize-tokens`` token ids (0: as any other POST), and the canned completion reports
+``--cached-tokens`` of its prompt cached (what a precise routing decision predicted). It parses just
+enough HTTP/1.1 (request line, headers, ``Content-Length`` body) to serve keep-alive connections, and
+costs a few microseconds per request, so what a benchmark measures on top of it is the proxy.
 
 Run: ``python benchmarks/gateway/fake_upstream.py --port 9100 [--stream-chunks 16 --chunk-interval 0.25]``.
 """
@@ -60,6 +62,26 @@ def _response(body: bytes) -> bytes:
 
 
 _POST_REPLY = _response(_ANSWER)
+#: ``POST /tokenize``'s answer (``--tokenize-tokens``); ``None``: answered as any other POST.
+_TOKENIZE_REPLY: bytes | None = None
+
+
+def configure_routing(tokenize_tokens: int, cached_tokens: int) -> None:
+    """``/tokenize`` answers ``tokenize_tokens`` ids (1000, 1001, ...) and completions report
+    ``cached_tokens`` of their prompt cached."""
+    global _POST_REPLY, _TOKENIZE_REPLY  # noqa: PLW0603 - set once, before serving
+    if tokenize_tokens:
+        tokens = list(range(1000, 1000 + tokenize_tokens))
+        _TOKENIZE_REPLY = _response(
+            json.dumps({"count": len(tokens), "max_model_len": 2048, "tokens": tokens}).encode()
+        )
+    answer = json.loads(_ANSWER)
+    answer["usage"]["prompt_tokens"] = max(answer["usage"]["prompt_tokens"], tokenize_tokens)
+    answer["usage"]["total_tokens"] = answer["usage"]["prompt_tokens"] + 1
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"] = cached_tokens
+    _POST_REPLY = _response(json.dumps(answer).encode())
+
+
 _MODELS_REPLY = _response(_MODELS)
 _EMPTY_REPLY = _response(b"{}")
 _STREAM_HEAD = (
@@ -162,6 +184,9 @@ class _Http(asyncio.Protocol):
             path = rest.split(b" ", 1)[0]
             assert self.transport is not None
             if method == b"POST":
+                if _TOKENIZE_REPLY is not None and path == b"/tokenize":
+                    self.transport.write(_TOKENIZE_REPLY)
+                    continue
                 if b'"stream"' in body and json.loads(body).get("stream"):
                     usage = b'"include_usage"' in body
                     self.streaming = asyncio.get_running_loop().create_task(self._stream(usage))
@@ -190,7 +215,12 @@ def main() -> None:
     parser.add_argument(
         "--chunk-interval", type=float, default=StreamShape.interval_s, help="seconds between stream chunks"
     )
+    parser.add_argument("--tokenize-tokens", type=int, default=0, help="token ids POST /tokenize answers")
+    parser.add_argument(
+        "--cached-tokens", type=int, default=0, help="cached prompt tokens completions report"
+    )
     args = parser.parse_args()
+    configure_routing(args.tokenize_tokens, args.cached_tokens)
     StreamShape.chunks = args.stream_chunks
     StreamShape.interval_s = args.chunk_interval
     try:

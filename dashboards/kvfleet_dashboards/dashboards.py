@@ -246,6 +246,62 @@ FLEET = DashboardSpec(
                 ),
             ),
         ),
+        (
+            "Gateway queues, replicas and routing",
+            (
+                PanelSpec(
+                    "Requests held at the gateway",
+                    "Requests admitted but waiting for room on the pool's engines, per pool and SLA tier "
+                    "(released in fair order), summed over gateway replicas.",
+                    [Query(f"sum by (pool, sla_tier) ({gw.ENGINE_QUEUE_DEPTH})", "{{pool}} {{sla_tier}}")],
+                ),
+                PanelSpec(
+                    "Fair-queuing virtual counters",
+                    "Each tenant's weighted tokens served divided by its weight (VTC): tenants of one tier "
+                    "that are backlogged stay close; the highest of the gateway replicas.",
+                    [Query(f"max by (tenant) ({gw.FAIR_VIRTUAL_TOKENS})", "{{tenant}}")],
+                ),
+                PanelSpec(
+                    "Shared store",
+                    "Gateway replicas splitting rate limits and engine slots through the shared store (0: "
+                    "static 1/replicas shares, no store or unreachable), the replicas the store sees, and "
+                    "syncs per second by outcome (ok, error).",
+                    [
+                        Query(f"sum ({gw.SHARED_STORE_UP})", "replicas using the store"),
+                        Query(f"max ({gw.SHARED_STORE_REPLICAS})", "replicas the store sees"),
+                        Query(rate(gw.SHARED_STORE_SYNCS_TOTAL, "", "outcome"), "syncs/s {{outcome}}"),
+                    ],
+                ),
+                PanelSpec(
+                    "Routing decisions",
+                    "Replica choices per second, per pool: precise (the replica holding the longest cached "
+                    "prefix of the tenant's blocks, from the engines' KV events) or affinity (the salted "
+                    "prefix hash, where the index knows none).",
+                    [Query(rate(gw.ROUTE_DECISIONS_TOTAL, "", "pool, how"), "{{pool}} {{how}}")],
+                    unit="reqps",
+                ),
+                PanelSpec(
+                    "Routing index",
+                    "KV blocks the index knows the pool's replicas hold (highest of the gateway replicas), "
+                    "and KV events received per second by kind.",
+                    [
+                        Query(f"max by (pool) ({gw.KV_INDEX_BLOCKS})", "{{pool}} blocks"),
+                        Query(rate(gw.KV_EVENTS_TOTAL, "", "pool, kind"), "{{pool}} {{kind}}/s"),
+                    ],
+                ),
+                PanelSpec(
+                    "Routing index: predicted against reported hits",
+                    "Prompt tokens the index predicted cached on the replica it chose, and those the "
+                    "engines then reported cached for the same requests: apart, the index is stale (it "
+                    "corrects itself).",
+                    [
+                        Query(rate(gw.ROUTE_PREDICTED_CACHED_TOKENS_TOTAL, "", "pool"), "{{pool}} predicted"),
+                        Query(rate(gw.ROUTE_REPORTED_CACHED_TOKENS_TOTAL, "", "pool"), "{{pool}} reported"),
+                    ],
+                    unit="short",
+                ),
+            ),
+        ),
     ),
 )
 

@@ -2,7 +2,9 @@
 panel of a rare event shows a non-zero series of its own metric because the event really happened.
 
 The system: LMCache server (CPU + "NVMe" tiers), vLLM-CPU serving the tiny model with the kvfleet plugin
-and the LMCache connector, the LMCache quota sync, the gateway in front, and the operator process
+and the LMCache connector (and publishing its KV events), the LMCache quota sync, the gateway in front
+(sharing its limits through a real ``redis-server``, and routing by the engine's KV events: the pool lists
+the engine under two addresses, so the gateway has a choice to make), and the operator process
 reconciling the examples on the real control plane. Prometheus scrapes all five every second while a
 short load runs through the gateway (streaming and non-streaming requests from three tenants, prompts
 that share a prefix, prompts that do not, and a rate-limited tenant that gets throttled).
@@ -56,6 +58,7 @@ import render_dashboards
 from cluster_helpers import apply_crds, create_namespace, delete_namespace, plural_path, wait_for
 from devcluster import ControlPlane, PrometheusServer, build_scrape_config, missing_binaries, start_prometheus
 from devcluster.binaries import PROMETHEUS_COMMAND
+from devcluster.shared_store import start_shared_store
 from kvfleet_dashboards.dashboards import ALL_DASHBOARDS, Query
 from kvfleet_dashboards.promql import metric_names, substitute_grafana_variables
 from test_operator_reconcile import condition, create, load_example, provision_local_nvme, tenant
@@ -80,6 +83,7 @@ from kvfleet_runtime.config import (
 )
 from kvfleet_runtime.engine.metrics import EVICTIONS
 from kvfleet_runtime.gateway.metrics import UPSTREAM_ERRORS_TOTAL
+from kvfleet_runtime.gateway.shared_store import PASSWORD_ENV
 from kvfleet_runtime.kv.policy import EvictionReason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,6 +114,7 @@ def build_table(
     lmcache: list[str],
     faulty_endpoints: list[str] | None = None,
     with_idle: bool = True,
+    kv_events: list[str] | None = None,
 ) -> TenantTable:
     def entry(
         name: str,
@@ -137,11 +142,14 @@ def build_table(
             rate_limits=limits,
         )
 
-    def pool(name: str, urls: list[str], lmcache_urls: list[str]) -> PoolEntry:
+    def pool(
+        name: str, urls: list[str], lmcache_urls: list[str], events: list[str] | None = None
+    ) -> PoolEntry:
         return PoolEntry(
             name=name,
             endpoints=urls,
             lmcache_endpoints=lmcache_urls,
+            kv_events_endpoints=events or [],
             block_size=BLOCK,
             hbm_blocks_per_replica=NUM_BLOCKS - 1,
             cpu_bytes_per_replica=1 << 28,
@@ -167,7 +175,7 @@ def build_table(
         served_model_name="tiny",
         pool_salt_id="pool",
         pools={
-            POOL: pool(POOL, endpoints, lmcache),
+            POOL: pool(POOL, endpoints, lmcache, kv_events),
             FAULTY_POOL: pool(FAULTY_POOL, faulty_endpoints or [], []),
         },
         tenants=dict(sorted(tenants.items())),
@@ -465,6 +473,7 @@ def system(
     vllm = vllm_factory(
         num_gpu_blocks_override=NUM_BLOCKS,
         lmcache=lmcache,
+        kv_events=True,
         extra_env={
             "KVFLEET_TENANT_TABLE": str(tmp / "engine-tenants.json"),
             "KVFLEET_KEY_FILE": str(tmp / "keys.json"),
@@ -477,8 +486,19 @@ def system(
     # An LMCache endpoint nothing listens on: every sync cycle of it fails (the sync errors).
     refusing_lmcache = f"http://127.0.0.1:{free_port()}"
 
+    # The engine under two addresses, each followed on its KV events: the gateway has a choice to make,
+    # so the routing panels (precise decisions, the index's predictions) show real data.
+    replicas = [vllm.base_url, vllm.base_url.replace("127.0.0.1", "localhost")]
+    events = [f"tcp://127.0.0.1:{vllm.replica.engine.kv_events_port}"] * 2
+    # The gateway shares its limits through a real store (the shared-store panel).
+    try:
+        store = start_shared_store()
+    except FileNotFoundError as exc:
+        missing_component(f"redis-server ({exc})", "bash hack/provision.d/10-cluster.sh")
+
     def write_table(with_idle: bool) -> None:
-        table = build_table([vllm.base_url], [lmcache.http_url, refusing_lmcache], [broken.url], with_idle)
+        lmcaches = [lmcache.http_url, refusing_lmcache]
+        table = build_table(replicas, lmcaches, [broken.url], with_idle, kv_events=events)
         write_atomically(tmp / "tenants.json", dump_json(table))
 
     write_table(True)
@@ -493,8 +513,9 @@ def system(
     procs["gateway"] = Proc(
         ["gateway", *files, "--listen", f"127.0.0.1:{gateway_port}",
          "--metrics-listen", f"127.0.0.1:{gateway_metrics_port}", "--health-interval", "1",
-         "--log-level", "WARNING"],
+         "--log-level", "WARNING", "--shared-store", store.url],
         tmp / "gateway.log",
+        env={PASSWORD_ENV: store.password},
     )  # fmt: skip
 
     # The operator, reconciling the examples on the real control plane, with its metrics port on.
@@ -540,6 +561,7 @@ def system(
         for proc in procs.values():
             proc.stop()
         broken.stop()
+        store.stop()
         delete_namespace(full_cluster, ns)
 
 

@@ -5,6 +5,7 @@ one dashboard ConfigMap per dashboard). RBAC rules: tests/tools/test_rbac_chart.
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 from collections.abc import Iterable
@@ -170,6 +171,75 @@ def test_the_shared_store_reaches_the_operator_only_when_it_has_a_url() -> None:
         "template", "kvfleet", str(CHART), "--set", "gatewaySharedStore.url=redis://u:secret@store:6379"
     )
     assert done.returncode != 0 and "gatewaySharedStore/url" in done.stderr
+
+
+def test_the_release_can_install_its_own_shared_store() -> None:
+    """``gatewaySharedStore.install``: one Valkey pod (restricted Pod Security, its password read from a
+    config file in a Secret, never a command line), a Service, the operator pointed at it with that
+    Secret (and allowed to read it by name), and a NetworkPolicy that admits kvfleet's gateway and Endpoint
+    Picker pods of the watched namespaces and the operator, nobody else. A URL given beside it is ignored."""
+    docs = render(
+        "--set", "gatewaySharedStore.install.enabled=true",
+        "--set", "gatewaySharedStore.url=redis://elsewhere:6379",
+        "--set", "operator.watchNamespaces={team-a}",
+    )  # fmt: skip
+    secret = only(docs, "Secret", "kvfleet-gateway-store")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = base64.b64decode(secret["data"]["valkey.conf"]).decode()
+    assert len(password) >= 32 and f"requirepass {password}\n" in conf and "appendonly no" in conf
+    store = only(docs, "Deployment", "kvfleet-gateway-store")
+    pod = store["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert password not in json.dumps(store)
+    assert container["command"] == ["valkey-server", "/etc/valkey/valkey.conf"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    service = only(docs, "Service", "kvfleet-gateway-store")
+    assert service["spec"]["selector"] == store["spec"]["selector"]["matchLabels"]
+    (op,) = only(docs, "Deployment", "kvfleet")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in op["env"] if "value" in e}
+    ref = parse_gateway_store(env["KVFLEET_GATEWAY_SHARED_STORE"])
+    assert ref is not None and ref.url == "redis://kvfleet-gateway-store.kvfleet-system.svc:6379/0"
+    assert ref.password_secret is not None and ref.password_secret.name == "kvfleet-gateway-store"
+    readable = [
+        r
+        for d in docs
+        if d["kind"] == "Role"
+        for r in d["rules"]
+        if r.get("resources") == ["secrets"] and r["verbs"] == ["get"]
+    ]
+    assert ["kvfleet-gateway-store"] in [r.get("resourceNames") for r in readable]
+
+    policy = only(docs, "NetworkPolicy", "kvfleet-gateway-store")
+    store_pod = Pod(
+        "kvfleet-system",
+        "store-0",
+        store["spec"]["template"]["metadata"]["labels"],
+        (ContainerPort(6379, "resp"),),
+    )
+    spaces = [Namespace("kvfleet-system"), Namespace("team-a"), Namespace("team-b")]
+    gateway = {"app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/component": "gateway"}
+    operator = {
+        "app.kubernetes.io/name": "kvfleet",
+        "app.kubernetes.io/instance": "kvfleet",
+        "app.kubernetes.io/component": "operator",
+    }
+
+    def reach(source: Pod) -> set[int]:
+        return allowed_ports([policy], spaces, source, store_pod)
+
+    assert reach(Pod("team-a", "gw", gateway)) == {6379}
+    assert reach(Pod("team-a", "epp", {**gateway, "app.kubernetes.io/component": "epp"})) == {6379}
+    assert reach(Pod("kvfleet-system", "op", operator)) == {6379}
+    assert reach(Pod("team-b", "gw", gateway)) == set()  # a namespace the operator does not serve
+    assert reach(Pod("team-a", "engine", {**gateway, "app.kubernetes.io/component": "engine"})) == set()
+    assert reach(Pod("team-a", "curious")) == set()
+    assert not [d for d in render() if d["metadata"]["name"] == "kvfleet-gateway-store"]
 
 
 def test_operator_replicas_spread_and_a_disruption_budget_only_with_more_than_one() -> None:

@@ -157,9 +157,24 @@ release namespace, and the Secrets that are named.
 {{- define "kvfleet.gatewaySharedStore" -}}
 {{- $s := .Values.gatewaySharedStore -}}
 {{- $out := dict "url" $s.url "namespace" .Release.Namespace -}}
+{{- if $s.install.enabled -}}
+{{- $url := printf "redis://%s.%s.svc:%d/0" (include "kvfleet.gatewayStoreName" .) .Release.Namespace (int $s.install.port) -}}
+{{- $out = dict "url" $url "namespace" .Release.Namespace "passwordSecret" (dict "name" (include "kvfleet.gatewayStoreName" .) "key" "password") -}}
+{{- else -}}
 {{- if $s.passwordSecret.name }}{{- $_ := set $out "passwordSecret" $s.passwordSecret -}}{{- end -}}
 {{- if $s.caSecret.name }}{{- $_ := set $out "caSecret" $s.caSecret -}}{{- end -}}
+{{- end -}}
 {{- toJson $out -}}
+{{- end -}}
+
+{{/* Whether the gateways have a shared store: one the platform runs (a URL) or the release's own. */}}
+{{- define "kvfleet.hasGatewaySharedStore" -}}
+{{- if or .Values.gatewaySharedStore.url .Values.gatewaySharedStore.install.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The release's own shared store (gatewaySharedStore.install): its Secret, Deployment and Service. */}}
+{{- define "kvfleet.gatewayStoreName" -}}
+{{- printf "%s-gateway-store" (include "kvfleet.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{/*
@@ -168,7 +183,9 @@ The Secrets of the gateways' shared store the operator may read (a JSON list; em
 {{- define "kvfleet.gatewaySharedStoreSecrets" -}}
 {{- $s := .Values.gatewaySharedStore -}}
 {{- $names := list -}}
-{{- if $s.url -}}
+{{- if $s.install.enabled -}}
+{{- $names = append $names (include "kvfleet.gatewayStoreName" .) -}}
+{{- else if $s.url -}}
 {{- if $s.passwordSecret.name }}{{- $names = append $names $s.passwordSecret.name -}}{{- end -}}
 {{- if $s.caSecret.name }}{{- $names = append $names $s.caSecret.name -}}{{- end -}}
 {{- end -}}
