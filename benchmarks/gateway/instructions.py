@@ -140,9 +140,13 @@ class Variant:
             from kvfleet_runtime.config import TenantTable, dump_json  # noqa: PLC0415
 
             table = TenantTable.model_validate_json(config.read_text())
-            pool = table.pools["shared"]
-            pool.endpoints = [upstream, upstream.replace("127.0.0.1", "localhost")]
-            pool.kv_events_endpoints = [self.events_address] * 2
+            pool = table.pools["shared"].model_copy(
+                update={
+                    "endpoints": [upstream, upstream.replace("127.0.0.1", "localhost")],
+                    "kv_events_endpoints": [self.events_address] * 2,
+                }
+            )
+            table = table.model_copy(update={"pools": {"shared": pool}})
             config.write_text(dump_json(table))
         return config, keys
 
