@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from invalid_manifests import apply_patch, build_base_manifest
 from kvfleet_operator.api import ModelDeployment
 from kvfleet_operator.api.modeldeployment import FairQueuingOrder, GatewaySpec
-from kvfleet_operator.build.common import Owner
+from kvfleet_operator.build.common import KV_EVENTS_PORT, Owner
 from kvfleet_operator.build.gateway import GatewayWorkload, build_gateway_deployment, gateway_engine_in_flight
 from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children
 from kvfleet_operator.build.tenant_table import admit_tenants, compute_pool_capacity
@@ -125,3 +125,37 @@ def test_invalid_values_are_refused_with_a_message_naming_the_field(
 def test_valid_edges_are_accepted() -> None:
     GatewaySpec.model_validate({"queueTimeout": "10m", "replicas": 4, "engineInFlightPerReplica": 4})
     GatewaySpec.model_validate({"replicas": 64, "engineInFlightPerReplica": 0, "queueTimeout": "1ms"})
+
+
+@pytest.mark.parametrize(
+    ("routing", "port"),
+    [pytest.param(None, KV_EVENTS_PORT, id="unset-precise"), pytest.param("affinity", None, id="affinity")],
+)
+def test_spec_gateway_routing_decides_whether_the_front_doors_follow_the_kv_events(
+    routing: str | None, port: int | None
+) -> None:
+    """spec.gateway.routing: precise (the default) gives the gateway and the Endpoint Picker the engines'
+    KV events port; affinity gives them none, so they route by the salted prefix hash alone."""
+    doc = build_base_manifest("ModelDeployment")
+    gateway = doc["spec"].setdefault("gateway", {})
+    gateway["dataPlane"] = "envoy"  # both front doors: Envoy's EPP and the gateway's flags
+    if routing is not None:
+        gateway["routing"] = routing
+    md = ModelDeployment.model_validate(
+        {**doc, "metadata": {**doc["metadata"], "namespace": "ns", "uid": "u"}}
+    )
+    capacity = compute_pool_capacity(md)
+    children = build_desired_children(
+        md, capacity, [], admit_tenants(capacity, []), KeyFile(salt_key_hex="ab" * 32, key_hashes={}),
+        OperatorImages(engine="e:1", gateway="g:1"),
+    )  # fmt: skip
+    commands = [
+        c["command"]
+        for child in children
+        if child["kind"] == "Deployment"
+        for c in child["spec"]["template"]["spec"]["containers"]
+        if c.get("command", [""])[0] == "kvfleet" and c["command"][1] in ("gateway", "epp", "envoy")
+    ]
+    assert sorted(command[1] for command in commands) == ["envoy", "epp"]
+    for command in commands:
+        assert from_flags(build_parser().parse_args(command[1:])).kv_events_port == port

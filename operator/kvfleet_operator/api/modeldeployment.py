@@ -1577,6 +1577,13 @@ class FairQueuingOrder(StrEnum):
     FIFO = "fifo"
 
 
+class Routing(StrEnum):
+    """How the gateway picks an engine replica for a request (within the load bound either way)."""
+
+    PRECISE = "precise"
+    AFFINITY = "affinity"
+
+
 #: The longest a request may wait at the gateway (for its tenant's concurrency or for the engines).
 MAX_QUEUE_TIMEOUT = "10m"
 RULE_QUEUE_TIMEOUT = CelRule(
@@ -1643,6 +1650,13 @@ class GatewaySpec(CrdModel):
         description="How long a request may wait at the gateway (for its tenant's concurrency limit or for "
         "room on the engines) before it is refused with 429 and Retry-After, e.g. 10s; longer than 0s, at "
         f"most {MAX_QUEUE_TIMEOUT}. Unset: 10s.",
+    )
+    routing: Routing = Field(
+        default=Routing.PRECISE,
+        description="How the gateway picks the engine replica: precise (the replica holding the longest "
+        "cached prefix of the tenant's own KV blocks, from the engines' KV events; the engine tokenizes each "
+        "request of a tenant it holds blocks of, one more local round trip) or affinity (a hash of the "
+        "tenant's salt and the prompt's first characters). Both stay within the same load bound.",
     )
     data_plane: DataPlane = Field(
         default=DataPlane.KVFLEET,

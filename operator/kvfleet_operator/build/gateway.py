@@ -90,6 +90,8 @@ class GatewayWorkload:
     #: The store the replicas split rate limits through (the chart's ``gatewaySharedStore``); ``None``:
     #: each replica enforces 1/replicas of every limit.
     shared_store: GatewayStore | None = None
+    #: ``spec.gateway.routing``: follow the engines' KV events (precise) or route by affinity only.
+    precise_routing: bool = True
 
 
 def gateway_engine_in_flight(engine_in_flight_per_replica: int, gateway_replicas: int) -> int:
@@ -141,7 +143,7 @@ def runtime_config_args() -> list[str]:
 def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
     """The replica count (each replica enforces 1/replicas of every tenant's rate limits, unless a shared
     store splits them by demand), the drain time, what the spec and the chart set, and the engines' KV
-    events port (precise routing)."""
+    events port unless ``spec.gateway.routing`` is affinity."""
     return [
         "--replicas",
         str(g.replicas),
@@ -152,8 +154,7 @@ def gateway_tuning_args(g: GatewayWorkload) -> list[str]:
         *gateway_media_args(g),
         *gateway_store_args(g.shared_store),
         # Precise routing: the engines publish their KV events there (``build/engine.py``).
-        "--kv-events-port",
-        str(KV_EVENTS_PORT),
+        *(["--kv-events-port", str(KV_EVENTS_PORT)] if g.precise_routing else []),
     ]
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.common import GPU_GROUP_LABEL
-from kvfleet_operator.api.modeldeployment import DataPlane
+from kvfleet_operator.api.modeldeployment import DataPlane, Routing
 from kvfleet_operator.api.units import parse_duration, parse_quantity
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
@@ -213,6 +213,7 @@ def _gateway_workload(
         data_plane=spec.data_plane,
         inference_pool=spec.inference_pool if inference_pool_served else None,
         epp_tls_secret=spec.endpoint_picker.tls_secret_name,
+        precise_routing=spec.routing is Routing.PRECISE,
     )
 
 
