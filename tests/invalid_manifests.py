@@ -581,6 +581,13 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         S,
     ),
     _md(
+        "md-routing",
+        "a routing the gateway does not have",
+        {"spec.gateway.routing": "random"},
+        "spec.gateway.routing",
+        S,
+    ),
+    _md(
         "md-engine-in-flight-negative",
         "a negative number of requests in flight per engine replica",
         {"spec.gateway.engineInFlightPerReplica": -1},
