@@ -324,6 +324,17 @@ _MEDIA_HOST_RE = re.compile(
 )
 
 
+def url_has_credentials(url: str) -> bool:
+    """Whether ``url`` (``scheme://[user:password@]host...``) carries credentials in its authority: a URL is
+    shown in flags, logs and conditions, so a password must travel apart (the shared store's)."""
+    return "@" in url.split("//", 1)[-1].split("/", 1)[0]
+
+
+def without_credentials(url: str) -> str:
+    """``url`` from its host on: what may be shown of a URL that was refused."""
+    return url.rsplit("@", maxsplit=1)[-1]
+
+
 def parse_media_hosts(value: str) -> tuple[str, ...]:
     """The hosts whose http(s) media URLs the gateway lets through and vLLM fetches from
     (``--allowed-media-domains`` of the gateway and of ``kvfleet engine launch``; the chart's

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator
 
 from kvfleet_operator.api.common import CrdModel
 from kvfleet_operator.build.common import KEYS_DIR, Obj, b64, keys_secret_name
+from kvfleet_runtime.config import url_has_credentials, without_credentials
 
 #: Data keys of the copies in each ModelDeployment's keys Secret.
 PASSWORD_DATA_KEY = "shared-store-password"  # noqa: S105 - a data key's name, not a password
@@ -53,9 +54,9 @@ class GatewayStoreRef(CrdModel):
         if not url.startswith(("redis://", "rediss://")):
             raise ValueError(
                 "gatewaySharedStore.url wants redis://host:port or rediss://host:port (TLS), "
-                f"got {url.rsplit('@', maxsplit=1)[-1]!r}"
+                f"got {without_credentials(url)!r}"
             )
-        if "@" in url.split("//", 1)[1].split("/", 1)[0]:
+        if url_has_credentials(url):
             raise ValueError(
                 "gatewaySharedStore.url carries credentials: put the password in a Secret and name it in "
                 "gatewaySharedStore.passwordSecret"

@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from kvfleet_operator.build.gateway_store import GatewayStore
+from kvfleet_runtime.config import without_credentials
 
 
 class GatewayStoreProbe:
@@ -53,7 +54,7 @@ class GatewayStoreProbe:
             return self._problem
 
     async def _ask(self) -> str | None:
-        where = self.store.url.rsplit("@", maxsplit=1)[-1]
+        where = without_credentials(self.store.url)
         client = self._client()
         try:
             async with asyncio.timeout(self._timeout_s * 2):

@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvfleet_runtime.config import parse_media_hosts
+from kvfleet_runtime.config import parse_media_hosts, url_has_credentials, without_credentials
 
 MIB = 1024 * 1024
 #: The key of a field's ``Flag`` in its metadata.
@@ -56,9 +56,9 @@ def shared_store_url(value: str) -> str | None:
     if not value.startswith(("redis://", "rediss://", "unix://")):
         raise argparse.ArgumentTypeError(
             "wants a redis://host:port, rediss://host:port (TLS) or unix:///path URL, "
-            f"got {value.rsplit('@', maxsplit=1)[-1]!r}"
+            f"got {without_credentials(value)!r}"
         )
-    if "@" in value.split("//", 1)[1].split("/", 1)[0]:
+    if url_has_credentials(value):
         raise argparse.ArgumentTypeError(
             "carries credentials: give the password in $KVFLEET_SHARED_STORE_PASSWORD instead (a flag is "
             "visible to every process on the node)"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
+from kvfleet_runtime.config import without_credentials
 from kvfleet_runtime.gateway.shares import (
     FLOOR,
     Demand,
@@ -98,7 +99,7 @@ class SharedStoreSettings:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 "--shared-store wants a redis://, rediss:// (TLS) or unix:// URL, "
-                f"got {self.url.rsplit('@', maxsplit=1)[-1]!r}"
+                f"got {without_credentials(self.url)!r}"
             )
         if not 0 < self.sync_interval_s <= self.fallback_after_s / 3:
             raise ValueError(
