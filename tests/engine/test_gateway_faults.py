@@ -562,9 +562,16 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
             assert time.monotonic() < deadline, "the probe's blocks in the gateway's index within 30 s"
             await asyncio.sleep(0.1)
         before = [success_count(e) for e in pair]
+        hits = [e.metric_value("vllm:prefix_cache_hits_total") for e in pair]
         started = asyncio.Event()
         task = asyncio.create_task(stream(http, gw.url, cfg.keys["acme"], prompt, 1800, first_events=started))
         await asyncio.wait_for(started.wait(), 60)
+        # The stream runs where the probe's blocks are (its prompt hit them there), by the index's choice.
+        hit_now = [e.metric_value("vllm:prefix_cache_hits_total") for e in pair]
+        decisions = {
+            how: await metric(gw, m.ROUTE_DECISIONS_TOTAL, how=how) for how in ("precise", "affinity")
+        }
+        assert hit_now[pair.index(victim)] > hits[pair.index(victim)], (hits, hit_now, decisions)
         (survivor,) = [e for e in pair if e is not victim]
         signal_group(victim, signal.SIGKILL)
         killed_at = time.monotonic()

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfleet_runtime.gateway.kv_events import events_address, pool_event_addresses, tokenize_request
+from kvfleet_runtime.gateway.kv_events import (
+    KvEventFeeds,
+    events_address,
+    pool_event_addresses,
+    tokenize_request,
+)
 from kvfleet_runtime.gateway.kv_index import (
     Cleared,
     PrefixIndex,
@@ -19,6 +25,7 @@ from kvfleet_runtime.gateway.kv_index import (
     chain_keys,
     parse_events,
 )
+from kvfleet_runtime.gateway.metrics import GatewayMetrics
 from kvfleet_runtime.gateway.routing import select_deepest
 
 BS = 4
@@ -216,3 +223,33 @@ def test_where_each_replica_is_followed() -> None:
     }
     assert pool_event_addresses(endpoints, ["", "tcp://10.0.0.2:7002"], None) == {B: "tcp://10.0.0.2:7002"}
     assert pool_event_addresses(endpoints, [], None) == {}
+
+
+async def test_the_feeds_decode_vllms_frames_and_forget_a_replica_followed_elsewhere() -> None:
+    """``KvEventFeeds`` takes vLLM's frames (topic, 8-byte sequence, msgpack batch) into the pool's index,
+    counts them by kind, forgets a replica whose frames it cannot decode, and forgets what a replica held
+    when the table moves its events elsewhere (another engine answers there now)."""
+    metrics = GatewayMetrics()
+    feeds = KvEventFeeds(metrics)
+    try:
+        feeds.sync({"pool": {A: "tcp://127.0.0.1:1"}})
+        index = feeds.indexes["pool"]
+
+        def frame(seq: int, *events: dict[str, Any]) -> list[bytes]:
+            return [b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch(*events))]
+
+        feeds._take("pool", A, frame(0, stored([11, 12], TOKENS[:8])))
+        assert index.match(chain_keys("salt-a", TOKENS, BS), {A}) == {A: 2}
+        sample = metrics.registry.get_sample_value
+        assert sample("kvfleet_gateway_kv_events_total", {"pool": "pool", "kind": "stored"}) == 1
+        feeds._take("pool", A, [b"kv", b"\x00" * 8, b"not msgpack"])
+        assert index.size == 0
+        assert sample("kvfleet_gateway_kv_events_total", {"pool": "pool", "kind": "undecodable"}) == 1
+        feeds._take("pool", A, frame(1, stored([11], TOKENS[:4])))
+        assert index.size == 1
+        feeds.sync({"pool": {A: "tcp://127.0.0.1:2"}})
+        assert index.size == 0
+        feeds.sync({})  # the pool is gone
+        assert feeds.indexes == {}
+    finally:
+        await feeds.close()

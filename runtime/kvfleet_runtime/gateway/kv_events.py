@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +35,9 @@ from kvfleet_runtime.gateway.kv_index import Cleared, PrefixIndex, Removed, Stor
 from kvfleet_runtime.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvfleet.gateway.kv_events")
+
+#: The ``kind`` label of ``kvfleet_gateway_kv_events_total`` for each event.
+EVENT_KINDS: dict[type, str] = {Stored: "stored", Removed: "removed", Cleared: "cleared"}
 
 #: The request fields vLLM's ``/tokenize`` takes for a chat request besides the messages.
 CHAT_TOKENIZE_FIELDS = (
@@ -147,6 +151,9 @@ class KvEventFeeds:
         wanted = {(pool, url, at) for pool, replicas in pools.items() for url, at in replicas.items()}
         for key in [k for k in self._tasks if k not in wanted]:
             self._tasks.pop(key).cancel()
+            pool, url, _ = key
+            if pool in self.indexes and url in pools.get(pool, {}):
+                self.indexes[pool].forget(url)  # followed elsewhere now: what it said no longer holds
         for pool in pools:
             for gone in self.index(pool).retain(url for p, url, _ in wanted if p == pool):
                 log.info("replica %s left pool %s: its KV blocks are forgotten", gone, pool)
@@ -190,12 +197,10 @@ class KvEventFeeds:
         if reset is not None:
             log.info("KV events of replica %s (pool %s): %s; its entries are forgotten", url, pool, reset)
             self.metrics.kv_index_resets.labels(pool, reset).inc()
-        for event in events:
-            kind = "stored" if isinstance(event, Stored) else "removed" if isinstance(event, Removed) else ""
-            if isinstance(event, Cleared):
-                kind = "cleared"
-                self.metrics.kv_index_resets.labels(pool, "cleared").inc()
-            self.metrics.kv_events.labels(pool, kind).inc()
+        for kind, n in Counter(EVENT_KINDS[type(event)] for event in events).items():
+            self.metrics.kv_events.labels(pool, kind).inc(n)
+            if kind == "cleared":
+                self.metrics.kv_index_resets.labels(pool, "cleared").inc(n)
 
     async def expire_loop(self, every_s: float = 60.0) -> None:
         while True:
