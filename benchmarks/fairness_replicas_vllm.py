@@ -222,12 +222,7 @@ def main() -> None:
                 figures[f"{scenario}.{mode}.{tenant}.weighted_tokens_per_s"] = Figure.single(
                     t["weighted_tokens_per_s"], "tokens/s"
                 )
-    machine = Machine.measured(
-        os.cpu_count() or 1,
-        loads[0],
-        loads[-1],
-        note=f"1-min load average after each phase: {', '.join(f'{x:.1f}' for x in loads[1:])}",
-    )
+    machine = Machine.over_phases(loads)
     settings = {
         k: getattr(args, k)
         for k in ("clients", "in_flight", "phase_seconds", "warmup", "rounds", "prompt_words", "max_tokens")

@@ -332,12 +332,7 @@ def main() -> None:
     light_vtc = result["vtc"]["tenants"]["light"]["ttft_p99_ms"]
     if light_fifo and light_vtc:
         figures["light_ttft_p99_vtc_over_fifo"] = Figure.single(light_vtc / light_fifo, "ratio")
-    machine = Machine.measured(
-        os.cpu_count() or 1,
-        load_at_start,
-        loads[-1],
-        note=f"1-min load average after each phase: {', '.join(f'{x:.1f}' for x in loads[1:])}",
-    )
+    machine = Machine.over_phases(loads)
     lone = alone["tenants"]["light"]
     figures["alone.light.weighted_tokens_per_s"] = Figure.single(lone["weighted_tokens_per_s"], "tokens/s")
     if lone["ttft_p99_ms"] is not None:

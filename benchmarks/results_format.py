@@ -101,6 +101,14 @@ class Machine(BaseModel):
         return cls(cores=cores, load=load, note=note)
 
     @classmethod
+    def over_phases(cls, loads: Sequence[float]) -> Machine:
+        """This machine over a run of phases: ``loads`` is the 1-min load average at the start and after
+        each phase (``os.getloadavg()[0]``); the note lists them."""
+        after = ", ".join(f"{x:.1f}" for x in loads[1:])
+        note = f"1-min load average after each phase: {after}"
+        return cls.measured(os.cpu_count() or 1, loads[0], loads[-1], note=note)
+
+    @classmethod
     def here(cls, load_at_start: float, *, note: str = "") -> Machine:
         """This machine now; ``load_at_start`` is ``os.getloadavg()[0]`` taken when the run began."""
         return cls.measured(os.cpu_count() or 1, load_at_start, os.getloadavg()[0], note=note)

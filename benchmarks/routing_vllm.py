@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # benchmarks/: the results format
 sys.path.insert(0, str(HERE / "gateway"))  # bench: child processes, readiness
 
-from bench import Processes, free_port, wait_get_ok  # noqa: E402
+from bench import Processes, free_port, percentile, wait_get_ok  # noqa: E402
 from results_format import (  # noqa: E402
     Figure,
     Machine,
@@ -316,11 +316,6 @@ async def run_phase(
     return samples, totals
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 def summarise(samples: list[Sample], totals: list[dict[str, float]]) -> dict[str, Any]:
     ok = [s for s in samples if s.status == 200]
     prompt = sum(s.prompt_tokens for s in ok)
@@ -334,7 +329,7 @@ def summarise(samples: list[Sample], totals: list[dict[str, float]]) -> dict[str
         "hit_rate": cached / prompt if prompt else 0.0,
         "recomputed": 1 - cached / prompt if prompt else 1.0,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else 0.0,
-        "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_p99_s": percentile(sorted(ttfts), 0.99) if ttfts else 0.0,
     }
     for key in ("precise", "affinity", "predicted_cached_tokens", "reported_cached_tokens"):
         out[key] = sum(t.get(key, 0.0) for t in totals)
@@ -426,12 +421,7 @@ def main() -> None:
             figures[f"{scenario}.{mode}.hit_rate"] = Figure.single(r["hit_rate"], "ratio")
             figures[f"{scenario}.{mode}.ttft_p50"] = Figure.single(r["ttft_p50_s"], "s")
             figures[f"{scenario}.{mode}.ttft_p99"] = Figure.single(r["ttft_p99_s"], "s")
-    machine = Machine.measured(
-        os.cpu_count() or 1,
-        loads[0],
-        loads[-1],
-        note=f"1-min load average after each phase: {', '.join(f'{x:.1f}' for x in loads[1:])}",
-    )
+    machine = Machine.over_phases(loads)
     settings = {
         k: getattr(args, k)
         for k in ("clients", "tenants", "phase_seconds", "warmup", "rounds", "turns", "system_words")

@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from factories import free_port
 from kvfleet_runtime.config import (
@@ -50,6 +51,16 @@ from kvfleet_runtime.gateway.server import Gateway, running_gateway
 from kvfleet_runtime.gateway.settings import GatewaySettings
 
 MODEL = "tiny-llama"
+
+
+def sum_samples(metrics_text: str, name: str, **labels: str) -> float:
+    """The sum of the samples ``name`` in a ``/metrics`` page whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 @dataclass

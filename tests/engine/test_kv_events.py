@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 from engine_helpers import make_prompt
 from gateway_on_vllm import Tenant, gateway_on_vllm
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine_fixtures import LaunchedEngine
+from gateway_support import sum_samples
 from kvfleet_runtime.gateway.kv_events import KvEventFeeds, events_address, tokenize
 from kvfleet_runtime.gateway.kv_index import PrefixIndex, chain_keys
 from kvfleet_runtime.gateway.metrics import (
@@ -105,15 +105,6 @@ def test_the_index_holds_each_tenants_blocks_under_its_own_salt_only(launched_en
     assert index.knows(launched.salt) and index.knows(launched.other_salt)
 
 
-def _sample(metrics_text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def test_the_gateway_routes_a_repeat_by_the_index_and_never_by_another_tenants_blocks(
     launched_engine: LaunchedEngine, tmp_path: Path
 ) -> None:
@@ -153,19 +144,22 @@ def test_the_gateway_routes_a_repeat_by_the_index_and_never_by_another_tenants_b
 
             await asyncio.sleep(1.0)  # the subscriptions join before the first events
             await send("first")
-            await _until_async(
-                lambda text: _sample(text, KV_INDEX_BLOCKS, pool="shared") > 0, metrics, "the first blocks"
-            )
+
+            def blocks_known(text: str) -> bool:
+                return sum_samples(text, KV_INDEX_BLOCKS, pool="shared") > 0
+
+            await _until_async(blocks_known, metrics, "the first blocks")
             await send("first")
             await send("second")
             return await metrics()
 
     text = asyncio.run(scenario())
     decisions = {
-        how: _sample(text, ROUTE_DECISIONS_TOTAL, pool="shared", how=how) for how in ("precise", "affinity")
+        how: sum_samples(text, ROUTE_DECISIONS_TOTAL, pool="shared", how=how)
+        for how in ("precise", "affinity")
     }
     # first: affinity, then precise; second: affinity (its salt has no block anywhere).
     assert decisions == {"precise": 1, "affinity": 2}, decisions
-    predicted = _sample(text, ROUTE_PREDICTED_CACHED_TOKENS_TOTAL, pool="shared")
-    reported = _sample(text, ROUTE_REPORTED_CACHED_TOKENS_TOTAL, pool="shared")
+    predicted = sum_samples(text, ROUTE_PREDICTED_CACHED_TOKENS_TOTAL, pool="shared")
+    reported = sum_samples(text, ROUTE_REPORTED_CACHED_TOKENS_TOTAL, pool="shared")
     assert predicted >= 4 * launched.block_size and reported >= predicted, (predicted, reported)

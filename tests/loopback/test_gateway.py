@@ -29,6 +29,7 @@ from gateway_support import (
     fake_engines,
     free_closed_port_url,
     running_front_door,
+    sum_samples,
     write_config,
 )
 from kvfleet_runtime.config import TIER_PRIORITY, Isolation, KeyFile, RateLimits, SlaTier, derive_cache_salt
@@ -67,13 +68,7 @@ class Env:
 
     async def metric(self, name: str, **labels: str) -> float:
         async with self.http.get(self.metrics_url + "/metrics") as r:
-            text = await r.text()
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+            return sum_samples(await r.text(), name, **labels)
 
 
 @contextlib.asynccontextmanager
