@@ -27,6 +27,7 @@ from kvfleet_operator.build.common import (
     EPP_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
+    KV_EVENTS_PORT,
     LABEL_SCRAPER,
     PLUGIN_METRICS_PORT,
 )
@@ -153,19 +154,22 @@ def test_this_model_deployments_gateway_reaches_the_picker_only_when_it_runs_env
     assert r.epp is not None
     assert r.ports(r.gateway, r.epp) == ({EPP_PORT} if calls else set())
     for engine in r.engines.values():
-        assert r.ports(r.gateway, engine) == {ENGINE_PORT}  # unchanged (kvfleet's gateway path)
+        # unchanged (kvfleet's gateway path): the OpenAI port, and the KV events its precise routing reads
+        assert r.ports(r.gateway, engine) == {ENGINE_PORT, KV_EVENTS_PORT}
 
 
 @pytest.mark.parametrize("rendering", sorted(RENDERINGS))
-def test_the_picker_reaches_each_engines_openai_port_for_its_health_checks_and_nothing_else(
+def test_the_picker_reaches_each_engines_openai_port_and_kv_events_and_nothing_else(
     rendering: str,
 ) -> None:
     """The picker checks every replica's ``/health`` on vLLM's port (a picker that cannot would find no
-    healthy replica and refuse every request); it reaches no metrics, LMCache or debug port."""
+    healthy replica and refuse every request) and reads its KV events for precise routing; it reaches no
+    metrics, LMCache or debug port. The platform's gateway never reads the events (every tenant's tokens)."""
     r = RENDERINGS[rendering]
     assert r.epp is not None
     for engine in r.engines.values():
-        assert r.ports(r.epp, engine) == {ENGINE_PORT}
+        assert r.ports(r.epp, engine) == {ENGINE_PORT, KV_EVENTS_PORT}
+        assert KV_EVENTS_PORT not in r.ports(PLATFORM_GATEWAY, engine)
 
 
 @pytest.mark.parametrize("rendering", sorted(RENDERINGS))
