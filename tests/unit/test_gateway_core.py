@@ -29,13 +29,9 @@ from kvfleet_runtime.gateway.rewrite import (
     parse_request,
     parse_tenant_from_request_id,
 )
-from kvfleet_runtime.gateway.routing import (
-    build_hash_ring,
-    build_pool_router,
-    compute_load_cap,
-    select_replica,
-)
+from kvfleet_runtime.gateway.routing import build_pool_router
 from kvfleet_runtime.gateway.state import AuthFailure, build_snapshot
+from kvfleet_runtime.kv.placement import build_hash_ring, compute_load_cap, select_replica
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """Precise routing's pure parts: the salt-scoped block index fed by vLLM's KV events
-(gateway/kv_index.py), the choice it makes within the load bound (``routing.select_deepest``) and what
-the gateway asks the engine to tokenize (``kv_events.tokenize_request``)."""
+(gateway/kv_index.py), the choice it makes within the load bound (``kv/placement.py``: ``select_deepest``)
+and what the gateway asks the engine to tokenize (``kv_events.tokenize_request``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kvfleet_runtime.gateway.kv_index import (
     parse_events,
 )
 from kvfleet_runtime.gateway.metrics import GatewayMetrics
-from kvfleet_runtime.gateway.routing import select_deepest
+from kvfleet_runtime.kv.placement import build_hash_ring, select_deepest, select_precise, select_replica
 
 BS = 4
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
@@ -191,6 +191,23 @@ def test_the_deepest_replica_under_the_load_bound_wins() -> None:
     assert select_deepest({A: 2}, healthy={A, B}, loads={A: 9, B: 0}) is None
     assert select_deepest({}, healthy={A, B}, loads={}) is None
     assert select_deepest({A: 2, B: 2}, healthy={A, B}, loads={A: 1, B: 0}) == B  # a tie: least loaded
+
+
+def test_precise_routing_moves_a_request_only_to_a_replica_holding_strictly_more() -> None:
+    """Affinity's replica keeps the request unless another one under the load bound holds a longer
+    prefix on its GPU: on a tie the affinity replica may hold the rest in its own offload tiers."""
+    ring = build_hash_ring([A, B])
+    key = b"salt\x00prompt"
+    home = select_replica(ring, key, healthy={A, B}, loads={})
+    other = B if home == A else A
+    assert select_precise(ring, key, {}, healthy={A, B}, loads={}) == (home, False)
+    assert select_precise(ring, key, {home: 2, other: 2}, healthy={A, B}, loads={}) == (home, True)
+    assert select_precise(ring, key, {other: 2}, healthy={A, B}, loads={}) == (other, True)
+    assert select_precise(ring, key, {home: 1, other: 3}, healthy={A, B}, loads={}) == (other, True)
+    assert select_precise(ring, key, {home: 3, other: 1}, healthy={A, B}, loads={}) == (home, True)
+    # The deeper one is over the bound (ceil(1.25 x 10 / 2) = 7): affinity's, which holds nothing.
+    assert select_precise(ring, key, {other: 3}, healthy={A, B}, loads={other: 7, home: 2}) == (home, False)
+    assert select_precise(ring, key, {other: 3}, healthy={A, B}, loads={}, exclude={A, B}) == (None, False)
 
 
 def test_what_the_engine_is_asked_to_tokenize() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,16 @@ from kvfleet_runtime.config import (
     TierTTLs,
 )
 from kvfleet_runtime.kv.simulate_cli import build_table_tenants, run_simulate
-from kvfleet_runtime.kv.simulator import POLICIES, FleetSpec, SimulatedTenant, compute_unit_keys, simulate
+from kvfleet_runtime.kv.simulator import (
+    POLICIES,
+    FleetEvent,
+    FleetSpec,
+    RoutingSpec,
+    SimulatedTenant,
+    TenantReport,
+    compute_unit_keys,
+    simulate,
+)
 from kvfleet_runtime.kv.workloads import (
     Request,
     TenantLoad,
@@ -282,3 +292,73 @@ def test_cli_takes_capacities_and_tenants_from_a_rendered_tenant_table(tmp_path:
     assert specs["shop"].salt == "pool"
     assert specs["bank"].ttl.hbm_seconds == 15.0
     assert specs["bank"].burst_cap == 0.4
+
+
+def _spilled_session_comes_back(routing: RoutingSpec) -> TenantReport:
+    """Three sessions of one tenant share a system prompt (its affinity key); the third arrives while the
+    affinity replica is at the load bound and spills to the other one; its second turn comes back when
+    the fleet is idle."""
+    fleet = FleetSpec(replicas=2, unit_tokens=UNIT, hbm_units_per_replica=1000)
+    system = (1, 64)
+    reqs = [
+        Request(0.0, "a", "s1", (system, (11, 64)), 0, 101, duration=8.0),
+        Request(1.0, "a", "s2", (system, (12, 64)), 0, 102, duration=8.0),
+        Request(2.0, "a", "s3", (system, (13, 64)), 0, 103, duration=1.0),
+        Request(10.0, "a", "s3", (system, (13, 64), (14, 16)), 0, 104, duration=1.0),
+    ]
+    return simulate(reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")], routing=routing).tenants["a"]
+
+
+def test_affinity_routes_by_the_salted_prefix_and_precise_follows_what_a_gpu_holds() -> None:
+    # Both: the spilled first turn computes the system prompt again on the other replica (64).
+    affinity = _spilled_session_comes_back(RoutingSpec("affinity", affinity_tokens=UNIT))
+    # Back on the affinity replica: the session's document is on the other one, computed again.
+    assert affinity.recomputed_tokens == 64 + 64
+    assert affinity.hit_tokens["hbm"] == 64 + 64  # s2's and the second turn's system prompt
+    precise = _spilled_session_comes_back(RoutingSpec("precise", affinity_tokens=UNIT))
+    # The replica holding system prompt + document (8 units against 4) wins: all 128 tokens hit.
+    assert precise.recomputed_tokens == 64
+    assert precise.hit_tokens["hbm"] == 64 + 128
+
+
+def test_fleet_events_restart_a_replica_and_add_one() -> None:
+    fleet = FleetSpec(replicas=2, unit_tokens=UNIT, hbm_units_per_replica=100)
+    # Session routing on the replicas present: a session hashed to replica 1 goes to 0 before 1 joins.
+    late = next(s for s in (f"s{i}" for i in range(100)) if zlib.crc32(s.encode()) % 2 == 1)
+    reqs = [req(0.0, "a", [(1, 64)], session=late), req(10.0, "a", [(1, 64)], session=late)]
+    steady = simulate(reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")]).tenants["a"]
+    assert steady.recomputed_tokens == 0 and steady.hit_tokens["hbm"] == 64
+    added = simulate(
+        reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")], events=[FleetEvent(5.0, "add", 1)]
+    ).tenants["a"]
+    assert added.recomputed_tokens == 64  # moved to the new replica, which holds nothing
+    restarted = simulate(
+        reqs, fleet, POLICIES["lmcache"], [SimulatedTenant("a")], events=[FleetEvent(5.0, "restart", 1)]
+    ).tenants["a"]
+    assert restarted.recomputed_tokens == 64  # its GPU and its own CPU tier are gone
+    shared = FleetSpec(replicas=2, unit_tokens=UNIT, hbm_units_per_replica=4, cpu_units_per_replica=8)
+    evicted = [req(0.0, "a", [(1, 64)], session=late), req(1.0, "a", [(2, 64)], session=late)]
+    survived = simulate(
+        [*evicted, req(10.0, "a", [(1, 64)], session=late)],
+        shared,
+        POLICIES["distributed"],
+        [SimulatedTenant("a")],
+        events=[FleetEvent(5.0, "restart", 1)],
+    ).tenants["a"]
+    assert survived.recomputed_tokens == 0 and survived.hit_tokens["cpu"] == 64  # a shared tier stays
+
+
+@pytest.mark.parametrize(
+    ("events", "message"),
+    [
+        ([FleetEvent(1.0, "reboot", 0)], "kind must be one of add, restart"),
+        ([FleetEvent(1.0, "restart", 2)], "replica in 0..1"),
+        ([FleetEvent(1.0, "add", 0), FleetEvent(2.0, "add", 1)], "keep one replica from the start"),
+    ],
+)
+def test_bad_fleet_events_and_routings_are_refused(events: list[FleetEvent], message: str) -> None:
+    fleet = FleetSpec(replicas=2, unit_tokens=UNIT, hbm_units_per_replica=10)
+    with pytest.raises(ValueError, match=message):
+        simulate([], fleet, POLICIES["lru"], [SimulatedTenant("a")], events=events)
+    with pytest.raises(ValueError, match="use one of session, affinity, precise"):
+        RoutingSpec("nearest")

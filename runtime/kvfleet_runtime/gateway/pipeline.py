@@ -10,10 +10,10 @@
    and in a worker process for large ones (400/403).
 4. ``admit``: the tenant's budget (tokens per minute, concurrency, KV) and then the pool's fair queue
    (strict priority between tiers, VTC within one); a bounded wait, or a 429 with ``Retry-After``.
-5. ``plan_route`` and ``pick``: with the engines' KV events (``--kv-events-port``), the replica holding
-   the longest cached prefix of the tenant's own blocks (``kv_events``, ``kv_index``); else, or when that
-   one is over the load bound, the replica by prefix affinity, scoped by the salt (503 when none is
-   healthy).
+5. ``plan_route`` and ``pick``: the replica by prefix affinity, scoped by the salt, within the load
+   bound; with the engines' KV events (``--kv-events-port``), another one under that bound holding a
+   longer cached prefix of the tenant's own blocks (``kv_events``, ``kv_index``,
+   ``kv.placement.select_precise``) (503 when none is healthy).
 6. forward: the front door's own (the aiohttp gateway's client in ``server.py``, Envoy for the Endpoint
    Picker in ``epp.py``).
 7. ``account``: the engine's ``usage`` settles the token estimate and the tenant's fair-queuing counter and
@@ -85,11 +85,12 @@ from kvfleet_runtime.gateway.rewrite import (
     extract_usage,
     prepare_request,
 )
-from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router, select_deepest
+from kvfleet_runtime.gateway.routing import PoolRouter, ReplicaState, build_pool_router
 from kvfleet_runtime.gateway.settings import GatewaySettings
 from kvfleet_runtime.gateway.shared_store import SharedLimits, settings_from_env
 from kvfleet_runtime.gateway.state import AuthFailure, GatewaySnapshot, SnapshotReloader, TenantRuntime
 from kvfleet_runtime.kv.fairness import TokenCost
+from kvfleet_runtime.kv.placement import select_precise
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -584,16 +585,19 @@ class Pipeline:
         admitted.route = RoutePlan(keys, index.match(keys, healthy), block_size)
 
     def pick(self, admitted: AdmittedRequest, tried: set[str], slow: int = 0) -> ReplicaState:
-        """The replica holding the longest cached prefix of the request (``plan_route``) within the load
-        bound, else the one for its salted prefix by affinity, not one of ``tried``;
-        ``Refusal(NO_HEALTHY_REPLICA)`` when there is none (``slow``: of the tried, how many did not
-        accept within the connect timeout, for the message)."""
+        """The replica for the request's salted prefix by affinity within the load bound, or another under
+        that bound holding a longer cached prefix of it (``plan_route``; ``select_precise``), not one of
+        ``tried``; ``Refusal(NO_HEALTHY_REPLICA)`` when there is none (``slow``: of the tried, how many
+        did not accept within the connect timeout, for the message)."""
         tenant = admitted.tenant
         pool = tenant.pool.name
         router = self.routers.get(pool)
         plan = admitted.route
-        if router is not None and plan is not None and plan.depths:
-            url = select_deepest(
+        key = (tenant.cache_salt + "\x00" + admitted.prepared.affinity_text).encode()
+        if router is not None and plan is not None and plan.depths and len(router.replicas) > 1:
+            url, indexed = select_precise(
+                router.ring,
+                key,
                 plan.depths,
                 healthy=router.healthy,
                 loads=router.loads(),
@@ -601,10 +605,9 @@ class Pipeline:
                 load_factor=self.settings.load_factor,
             )
             if url is not None:
-                plan.replica, plan.predicted_blocks = url, plan.depths[url]
-                self.metrics.route_decisions.labels(pool, "precise").inc()
+                plan.replica, plan.predicted_blocks = (url, plan.depths[url]) if indexed else (None, 0)
+                self.metrics.route_decisions.labels(pool, "precise" if indexed else "affinity").inc()
                 return router.replicas[url]
-        key = (tenant.cache_salt + "\x00" + admitted.prepared.affinity_text).encode()
         replica = router.choose(key, tried, self.settings.load_factor) if router else None
         if replica is not None:
             if plan is not None:

@@ -33,9 +33,11 @@ from kvfleet_runtime.kv.plan_cli import build_plan_request
 from kvfleet_runtime.kv.presets import PRESETS
 from kvfleet_runtime.kv.simulator import (
     POLICIES,
+    ROUTINGS,
     FairQueuingResult,
     FairTenant,
     FleetSpec,
+    RoutingSpec,
     SimulatedTenant,
     SimulationResult,
     build_fair_workload,
@@ -152,6 +154,17 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy", default="lru,kvfleet", help=f"comma-separated, from: {', '.join(POLICIES)} (or 'all')"
     )
     sim.add_argument("--unit-tokens", type=int, default=256, help="tokens per simulated KV unit")
+    sim.add_argument(
+        "--routing",
+        default="session",
+        choices=ROUTINGS,
+        help="how a request picks its replica: session (an ideal), affinity (the gateway's salted prefix "
+        "hash within the load bound) or precise (affinity, unless another replica holds more of the "
+        "prompt on its GPU)",
+    )
+    sim.add_argument(
+        "--affinity-tokens", type=int, default=128, help="leading prompt tokens in the affinity key"
+    )
     sim.add_argument("--sample-seconds", type=float, default=60.0, help="timeline resolution")
     sim.add_argument("--output", default="table", choices=("table", "json"))
     sim.add_argument("--plot", type=Path, metavar="DIR", help="write PNG charts into DIR")
@@ -499,6 +512,7 @@ def run_simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
             return EXIT_BAD_INPUT
     try:
         policies = parse_policies(args.policy)
+        routing = RoutingSpec(args.routing, affinity_tokens=args.affinity_tokens)
         fleet = build_fleet_spec(args)
         specs, loads = build_tenants(args)
         requests = build_workload(args, loads)
@@ -509,7 +523,13 @@ def run_simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
     warmup = 0.0 if args.trace or args.workload == "multi-round-qa" else args.warmup
     results = [
         simulate(
-            requests, fleet, POLICIES[name], specs, warmup_seconds=warmup, sample_seconds=args.sample_seconds
+            requests,
+            fleet,
+            POLICIES[name],
+            specs,
+            warmup_seconds=warmup,
+            sample_seconds=args.sample_seconds,
+            routing=routing,
         )
         for name in policies
     ]
@@ -550,6 +570,8 @@ def render_table(fleet: FleetSpec, requests: int, results: list[SimulationResult
     )
     for result in results:
         lines.append(f"policy {result.policy}: {POLICIES[result.policy].description}")
+        placed = ", ".join(f"{how} {n:,}" for how, n in sorted(result.route_decisions.items()))
+        lines.append(f"requests placed by: {placed or 'none measured'}")
         lines.append(header)
         for report in [*result.tenants.values(), result.total]:
             prompt = report.prompt_tokens or 1

@@ -11,11 +11,16 @@ Model
   reuse is exactly vLLM's: a prompt hits the longest run of leading units found in its replica's HBM, or
   failing that in the CPU then NVMe tier; the rest is computed. Only full units are cached; the partial
   last unit of a sequence is always computed.
-* A request is routed by session affinity (a stable hash of its session) to one replica. At arrival its
-  hit units are pinned in HBM (restored from CPU/NVMe: restores are copies, NVMe restores are staged
-  through CPU), its computed units are added to HBM, pinned. At completion (arrival + TTFT + output
-  tokens / decode rate) the output's full units are added and every unit is unpinned tail first, as
-  vLLM's ``free_blocks`` does.
+* A request goes to one replica by its :class:`RoutingSpec`: ``session`` (a stable hash of its session,
+  an ideal no gateway has for a prompt; the default), ``affinity`` (the gateway's bounded-load
+  consistent hash of the salted prompt prefix: ``kv/placement.py``'s ``select_replica``) or ``precise``
+  (the replica holding the longest run of the prompt's leading units in HBM, what vLLM's KV events
+  report, under the same load bound: ``select_deepest``; else affinity). The load is the requests in
+  flight per replica. :class:`FleetEvent` adds a replica or restarts one (its HBM and own tiers lost).
+  At arrival its hit units are pinned in HBM (restored from CPU/NVMe: restores are copies, NVMe restores
+  are staged through CPU), its computed units are added to HBM, pinned. At completion (arrival + TTFT +
+  output tokens / decode rate, or the trace's ``duration``) the output's full units are added and every
+  unit is unpinned tail first, as vLLM's ``free_blocks`` does.
 * HBM victims demote to the CPU tier, CPU victims to NVMe, NVMe victims are dropped (write-back: recent
   KV in HBM, then CPU, then NVMe). Each tier of each replica is one
   :class:`~kvfleet_runtime.kv.policy.TierPolicy`; with ``shared_offload`` one CPU and one NVMe tier
@@ -45,17 +50,21 @@ from dataclasses import dataclass, field
 from kvfleet_runtime.config import DEFAULT_BURST_CAP, SLA_RANK, KVTier, SlaTier, TierTTLs
 from kvfleet_runtime.kv.fairness import FairQueue, Ticket, TokenCost
 from kvfleet_runtime.kv.limits import TenantLimits, build_limits, burst_units
+from kvfleet_runtime.kv.placement import HashRing, build_hash_ring, select_precise, select_replica
 from kvfleet_runtime.kv.policy import EvictionReason, TierPolicy, Victim
 from kvfleet_runtime.kv.workloads import Request
 
 __all__ = [
     "POLICIES",
+    "ROUTINGS",
     "FairQueuingResult",
     "FairRequest",
     "FairTenant",
     "FairTenantReport",
+    "FleetEvent",
     "FleetSpec",
     "PolicySpec",
+    "RoutingSpec",
     "SimulatedTenant",
     "SimulationResult",
     "TenantReport",
@@ -111,6 +120,41 @@ class FleetSpec:
     nvme_gbps: float = 12.0
     prefill_tokens_per_second: float = 20_000.0
     decode_tokens_per_second: float = 40.0
+
+
+ROUTINGS = ("session", "affinity", "precise")
+FLEET_EVENTS = ("add", "restart")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """How a request picks its replica (the module docstring); the gateway's settings where it has them."""
+
+    mode: str = "session"
+    #: Leading prompt tokens in the affinity key: the gateway hashes the salt and the prompt's first
+    #: ``--affinity-prefix-chars`` (512) characters, about 128 tokens.
+    affinity_tokens: int = 128
+    load_factor: float = 1.25
+    #: ``precise`` also learns what each replica's own offload tiers hold (LMCache's store events), not
+    #: only its GPU blocks (vLLM's): the index kvfleet's gateway does not build yet (docs/benchmarks.md).
+    offload_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTINGS:
+            raise ValueError(f"routing {self.mode!r}: use one of {', '.join(ROUTINGS)}")
+        if self.affinity_tokens < 1 or self.load_factor <= 1.0:
+            raise ValueError("routing: affinity_tokens must be >= 1 and load_factor > 1")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetEvent:
+    """A change of the fleet at ``time``: ``add`` (replica ``replica`` serves nothing before it, as a
+    scale-out) or ``restart`` (the replica's HBM and its own CPU/NVMe tiers are lost, a shared tier stays;
+    its requests in flight finish without caching anything, as an engine that died)."""
+
+    time: float
+    kind: str
+    replica: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,11 +255,14 @@ class SimulationResult:
     #: tenant -> prefix hit rate of the requests arriving in each sample interval (None: no requests)
     hit_rate_timeline: dict[str, list[float | None]]
     warmup_seconds: float
+    #: routing mode -> how each measured request was placed (``precise``, ``affinity`` or ``session``)
+    route_decisions: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {
             "policy": self.policy,
             "warmup_seconds": self.warmup_seconds,
+            "route_decisions": dict(self.route_decisions),
             "total": self.total.as_dict(),
             "tenants": {name: r.as_dict() for name, r in self.tenants.items()},
             "capacity_units": self.capacity,
@@ -260,6 +307,7 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 @dataclass(slots=True)
 class _InFlight:
     replica: int
+    generation: int
     tenant: str
     prompt_units: int
     keys: list[int]
@@ -272,6 +320,7 @@ class _Fleet:
     def __init__(self, fleet: FleetSpec, policy: PolicySpec, tenants: Sequence[SimulatedTenant]) -> None:
         self.spec = fleet
         self.policy = policy
+        self.tenants = tenants
         self.hbm = [
             self._tier(KVTier.HBM, fleet.hbm_units_per_replica, tenants) for _ in range(fleet.replicas)
         ]
@@ -310,6 +359,31 @@ class _Fleet:
         }
         return TierPolicy(tier, capacity, limits)
 
+    def restart(self, replica: int) -> None:
+        """The replica's HBM and its own offload tiers start empty (a shared tier is not the replica's)."""
+        self.hbm[replica] = self._tier(KVTier.HBM, self.spec.hbm_units_per_replica, self.tenants)
+        if self.policy.shared_offload:
+            return
+        for tiers, tier, units in (
+            (self.cpu, KVTier.CPU, self.spec.cpu_units_per_replica),
+            (self.nvme, KVTier.NVME, self.spec.nvme_units_per_replica),
+        ):
+            if tiers[replica] is not None:
+                tiers[replica] = self._tier(tier, units, self.tenants)
+
+    def depth(self, replica: int, keys: Sequence[int], offload: bool = False) -> int:
+        """Leading ``keys`` in the replica's HBM (what precise routing learns from vLLM's KV events), or
+        with ``offload`` in any of its tiers, a shared tier excepted (it serves every replica alike)."""
+        tiers = [self.hbm[replica]]
+        if offload and not self.policy.shared_offload:
+            tiers += [t for t in (self.cpu[replica], self.nvme[replica]) if t is not None]
+        n = 0
+        for key in keys:
+            if not any(key in t for t in tiers):
+                break
+            n += 1
+        return n
+
     def levels(self, replica: int) -> list[TierPolicy | None]:
         return [self.hbm[replica], self.cpu[replica], self.nvme[replica]]
 
@@ -343,6 +417,64 @@ class _Fleet:
                 self.store(replica, level, victim.key, victim.tenant, now, pinned=False)
 
 
+_KEY_MASK = (1 << 64) - 1
+
+
+class _Router:
+    """Replica choice and the requests in flight per replica, through the gateway's own pure functions."""
+
+    def __init__(self, spec: RoutingSpec, replicas: int, unit_tokens: int, absent: set[int]) -> None:
+        self.spec = spec
+        self.active = [r for r in range(replicas) if r not in absent]
+        self.loads = [0] * replicas
+        self.key_units = max(1, math.ceil(spec.affinity_tokens / unit_tokens))
+        self.ring = self._ring()
+
+    def _ring(self) -> HashRing:
+        return build_hash_ring(str(r) for r in self.active)
+
+    def add(self, replica: int) -> None:
+        if replica not in self.active:
+            self.active = sorted([*self.active, replica])
+            self.ring = self._ring()
+
+    def choose(self, state: _Fleet, request: Request, salt: int, keys: Sequence[int]) -> tuple[int, str]:
+        """The replica for a request and how it was chosen."""
+        if self.spec.mode == "session":
+            return self.active[zlib.crc32(request.session.encode()) % len(self.active)], "session"
+        healthy = {str(r) for r in self.active}
+        loads = {str(r): self.loads[r] for r in self.active}
+        # The salted prefix: the chain key of the unit holding the prompt's first affinity tokens.
+        if keys:
+            anchor = keys[min(self.key_units, len(keys)) - 1]
+        else:
+            anchor = hash((salt, request.segments[0][0] if request.segments else 0))
+        key = (anchor & _KEY_MASK).to_bytes(8, "big")
+        factor = self.spec.load_factor
+        if self.spec.mode == "precise":
+            depths = {str(r): state.depth(r, keys, self.spec.offload_events) for r in self.active}
+            picked, indexed = select_precise(
+                self.ring, key, depths, healthy=healthy, loads=loads, load_factor=factor
+            )
+            assert picked is not None  # some replica is always active
+            return int(picked), "precise" if indexed else "affinity"
+        picked = select_replica(self.ring, key, healthy=healthy, loads=loads, load_factor=factor)
+        assert picked is not None
+        return int(picked), "affinity"
+
+
+def _check_events(events: Sequence[FleetEvent], replicas: int) -> None:
+    for event in events:
+        if event.kind not in FLEET_EVENTS or not 0 <= event.replica < replicas:
+            raise ValueError(
+                f"fleet event {event}: kind must be one of {', '.join(FLEET_EVENTS)} and the replica "
+                f"in 0..{replicas - 1}"
+            )
+    added = [e.replica for e in events if e.kind == "add"]
+    if len(set(added)) != len(added) or len(added) >= replicas:
+        raise ValueError("fleet events: add each replica at most once, and keep one replica from the start")
+
+
 def simulate(
     requests: Sequence[Request],
     fleet: FleetSpec,
@@ -350,9 +482,17 @@ def simulate(
     tenants: Sequence[SimulatedTenant],
     warmup_seconds: float = 0.0,
     sample_seconds: float = 60.0,
+    routing: RoutingSpec | None = None,
+    events: Sequence[FleetEvent] = (),
 ) -> SimulationResult:
     """Replay ``requests`` (sorted by time) and measure; see the module docstring for the model."""
+    _check_events(events, fleet.replicas)
     state = _Fleet(fleet, policy, tenants)
+    late = {e.replica for e in events if e.kind == "add"}
+    router = _Router(routing or RoutingSpec(), fleet.replicas, fleet.unit_tokens, late)
+    pending = sorted(events, key=lambda e: e.time)
+    generation = [0] * fleet.replicas
+    decisions: dict[str, int] = {}
     unit = fleet.unit_tokens
     specs = {t.name: t for t in tenants}
     salts: dict[str, int] = {}
@@ -398,6 +538,9 @@ def simulate(
     next_sample = 0.0
 
     def complete(now: float, job: _InFlight) -> None:
+        router.loads[job.replica] -= 1
+        if job.generation != generation[job.replica]:
+            return  # its replica restarted: the KV it held is gone, nothing is cached
         hbm = state.hbm[job.replica]
         for key in job.keys[job.prompt_units :]:
             state.seen.add(key)
@@ -420,10 +563,16 @@ def simulate(
             next_sample += sample_seconds
         if evictions_at_warmup is None and now >= warmup_seconds:
             evictions_at_warmup = snapshot_evictions()
+        while pending and pending[0].time <= now:
+            event = pending.pop(0)
+            if event.kind == "add":
+                router.add(event.replica)
+            else:
+                generation[event.replica] += 1
+                state.restart(event.replica)
 
         tenant = request.tenant
         salt = salt_of(tenant)
-        replica = zlib.crc32(request.session.encode()) % fleet.replicas
         # One pass over prompt + output: the prompt's units are a prefix of the sequence's units.
         segments = request.segments
         if request.output_tokens:
@@ -433,6 +582,8 @@ def simulate(
         prompt_units = prompt // unit
         tail = prompt - prompt_units * unit
         keys = all_keys[:prompt_units]
+        replica, how = router.choose(state, request, salt, keys)
+        router.loads[replica] += 1
         hbm, cpu, nvme = state.levels(replica)
         assert hbm is not None
         held: list[int] = []
@@ -477,8 +628,11 @@ def simulate(
             + hits[1] * unit * gpu_bytes / (fleet.pcie_gbps * 1e9)
             + hits[2] * unit * off_bytes / (fleet.nvme_gbps * 1e9)
         )
-        done = now + ttft + request.output_tokens / fleet.decode_tokens_per_second
-        job = _InFlight(replica, tenant, prompt_units, all_keys, held)
+        if request.duration is not None:
+            done = now + request.duration
+        else:
+            done = now + ttft + request.output_tokens / fleet.decode_tokens_per_second
+        job = _InFlight(replica, generation[replica], tenant, prompt_units, all_keys, held)
         seq += 1
         heapq.heappush(completions, (done, seq, job))
 
@@ -487,6 +641,7 @@ def simulate(
         bucket_hit[tenant][bucket] += matched * unit
         if now < warmup_seconds:
             continue
+        decisions[how] = decisions.get(how, 0) + 1
         report = reports[tenant]
         report.requests += 1
         report.prompt_tokens += prompt
@@ -548,6 +703,7 @@ def simulate(
         capacity=capacity,
         hit_rate_timeline=timeline,
         warmup_seconds=warmup_seconds,
+        route_decisions=decisions,
     )
 
 

@@ -23,8 +23,10 @@ JSONL traces (:func:`read_jsonl_trace`), one request per line::
      "output_tokens": 250, "output_segment": "a-17-1"}
 
 ``time`` is seconds from the trace's start; ``session`` (optional, default the tenant) routes the request
-to a replica; segment ids are strings or integers; ``output_segment`` (optional) names the output so a
-later prompt can include ``[output_segment, output_tokens]``. Instead of ``segments`` a line may carry
+to a replica under session routing; ``duration`` (optional) is the seconds the request held its replica
+(arrival to last token, from a measured run; default: the simulator's estimate); segment ids are
+strings or integers; ``output_segment`` (optional) names the output so a later prompt can include
+``[output_segment, output_tokens]``. Instead of ``segments`` a line may carry
 ``"blocks": [h1, h2, ...]``: block hashes, each standing for one full unit of ``--unit-tokens`` tokens.
 """
 
@@ -59,6 +61,9 @@ class Request:
     segments: tuple[tuple[int, int], ...]
     output_tokens: int
     output_segment: int
+    #: Seconds from arrival to the last output token when the trace knows it (a replay of a measured
+    #: run); ``None``: the simulator estimates it (TTFT + output tokens / decode rate).
+    duration: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -248,6 +253,7 @@ def read_jsonl_trace(path: Path, unit_tokens: int) -> list[Request]:
                         segments=segments,
                         output_tokens=int(raw.get("output_tokens", 0)),
                         output_segment=ids.fresh() if output_segment is None else segment_id(output_segment),
+                        duration=None if raw.get("duration") is None else float(raw["duration"]),
                     )
                 )
             except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
@@ -259,7 +265,7 @@ def write_jsonl_trace(requests: Iterable[Request], path: Path) -> None:
     """Write requests in the trace format (segment ids as integers)."""
     with path.open("w") as handle:
         for r in requests:
-            line = {
+            line: dict[str, object] = {
                 "time": r.time,
                 "tenant": r.tenant,
                 "session": r.session,
@@ -267,4 +273,6 @@ def write_jsonl_trace(requests: Iterable[Request], path: Path) -> None:
                 "output_tokens": r.output_tokens,
                 "output_segment": r.output_segment,
             }
+            if r.duration is not None:
+                line["duration"] = r.duration
             handle.write(json.dumps(line) + "\n")
