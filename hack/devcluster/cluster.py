@@ -42,7 +42,7 @@ from .layout import (
     build_node_manifest,
 )
 from .node import RealNode, detect_node_ip, start_real_node, stop_real_node
-from .pki import Pki, build_pki
+from .pki import FRONT_PROXY_CLIENT_CN, Pki, build_pki
 from .processes import ManagedProcess, find_free_port, start_process, wait_until
 
 Tier = Literal["api", "full", "node"]
@@ -96,7 +96,13 @@ CONTROLLERS = (
     "persistentvolume-binder-controller",  # binds the static local-NVMe PVs the operator tests provide
     "persistentvolume-protection-controller",
     "persistentvolumeclaim-protection-controller",
+    # KEDA's ScaledObjects scale through an HPA (devcluster.keda); without KEDA no HPA exists and it idles.
+    "horizontal-pod-autoscaler-controller",
 )
+
+#: How often the HPA controller evaluates each HPA (Kubernetes' default: 15 s): short, so an autoscaling
+#: test sees a metric's step acted on within seconds.
+HPA_SYNC_PERIOD_S = 3
 
 #: The API server's audit policy: every write (whoever sends it) at Metadata level, one event per request
 #: (when the response is complete), and nothing else: reads and watches would dwarf the writes. Tests and
@@ -398,11 +404,32 @@ def build_apiserver_args(
         f"--service-account-signing-key-file={pki.sa_key}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--authorization-mode=Node,RBAC",
+        *build_aggregator_args(pki),
         *build_audit_args(cert_dir),
         f"--enable-admission-plugins={','.join(ADMISSION_PLUGINS)}",
         "--allow-privileged=true",
         "--profiling=false",
         "--v=1",
+    ]
+
+
+def build_aggregator_args(pki: Pki) -> list[str]:
+    """The aggregation layer's flags, as kubeadm sets them: the API server proxies an APIService's requests
+    (``external.metrics.k8s.io`` to KEDA's metrics API server, :mod:`devcluster.keda`) with the front
+    proxy's client certificate and the caller in ``X-Remote-*`` headers, which the extension server trusts
+    from the ``requestheader`` settings the API server publishes in ``kube-system``.
+
+    ``--enable-aggregator-routing``: to an endpoint's address, not the Service's cluster IP, which nothing
+    routes without kube-proxy (the ``api`` and ``full`` tiers have none)."""
+    return [
+        f"--requestheader-client-ca-file={pki.front_proxy_ca_cert}",
+        f"--requestheader-allowed-names={FRONT_PROXY_CLIENT_CN}",
+        "--requestheader-username-headers=X-Remote-User",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={pki.front_proxy_client_cert}",
+        f"--proxy-client-key-file={pki.front_proxy_client_key}",
+        "--enable-aggregator-routing=true",
     ]
 
 
@@ -461,6 +488,7 @@ def build_controller_manager_args(
         # kwok never marks them Ready again (its pod-ready stage only runs once per pod): at 120 s this
         # left gateway pods not Ready in some full CI runs.
         f"--node-monitor-grace-period={node_monitor_grace_period_s}s",
+        f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD_S}s",
         "--leader-elect=false",
         f"--cluster-cidr={POD_CIDR}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",

@@ -2,7 +2,10 @@
 
 One CA signs the API server's serving certificate (SANs: 127.0.0.1, localhost and the in-cluster
 service names) and the admin client certificate (``O=system:masters``); an EC key pair signs service
-account tokens. Everything is written under the given folder and removed with it.
+account tokens. A second CA, the front proxy's (as kubeadm makes), signs the client certificate the API
+server's aggregator presents to extension API servers (KEDA's metrics API server: :mod:`devcluster.keda`),
+which trust it through the ``requestheader`` settings the API server publishes. Everything is written under
+the given folder and removed with it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+#: The common name of the aggregator's client certificate; the only name ``--requestheader-allowed-names``
+#: allows.
+FRONT_PROXY_CLIENT_CN = "front-proxy-client"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,23 @@ class Pki:
     admin_key: Path
     sa_key: Path
     sa_pub: Path
+
+    # The front proxy's files sit beside the others (fixed names), so a Pki read back from a folder
+    # (``ControlPlane.from_state``) finds them without more fields.
+    @property
+    def front_proxy_ca_cert(self) -> Path:
+        """The CA extension API servers trust for the aggregator's requests (the API server's
+        ``--requestheader-client-ca-file``, published to them in ``kube-system``)."""
+        return self.ca_cert.parent / "front-proxy-ca.crt"
+
+    @property
+    def front_proxy_client_cert(self) -> Path:
+        """The aggregator's client certificate (CN :data:`FRONT_PROXY_CLIENT_CN`)."""
+        return self.ca_cert.parent / "front-proxy-client.crt"
+
+    @property
+    def front_proxy_client_key(self) -> Path:
+        return self.ca_cert.parent / "front-proxy-client.key"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -52,6 +75,26 @@ def sign_client_cert(pki: Pki, name: str, subject: str, days: int = 7) -> tuple[
         name,
         subject,
         "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+        days,
+        directory,
+        pki.ca_cert,
+        pki.ca_key,
+    )
+    return directory / f"{name}.crt", directory / f"{name}.key"
+
+
+def sign_serving_cert(
+    pki: Pki, name: str, subject: str, sans: tuple[str, ...], days: int = 7
+) -> tuple[Path, Path]:
+    """A certificate ``<name>.crt``/``.key`` signed by ``pki``'s CA for a server that is also a client of
+    its peer with the same certificate (KEDA's operator and metrics API server speak mutual TLS with one
+    pair); ``sans`` as openssl writes them (``IP:127.0.0.1``, ``DNS:svc.ns.svc``)."""
+    directory = pki.ca_cert.parent
+    _sign(
+        name,
+        subject,
+        f"subjectAltName={','.join(sans)}\nextendedKeyUsage=serverAuth,clientAuth\n"
+        "keyUsage=digitalSignature,keyEncipherment\n",
         days,
         directory,
         pki.ca_cert,
@@ -104,6 +147,19 @@ def build_pki(directory: Path, days: int = 7, extra_ips: tuple[str, ...] = ()) -
     )
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=directory)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=directory)
+    _openssl(
+        "req", "-x509", *_EC, "-keyout", "front-proxy-ca.key", "-out", "front-proxy-ca.crt",
+        "-days", str(days), "-subj", "/CN=kvfleet-dev-front-proxy-ca", cwd=directory,
+    )  # fmt: skip
+    _sign(
+        "front-proxy-client",
+        f"/CN={FRONT_PROXY_CLIENT_CN}",
+        "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+        days,
+        directory,
+        directory / "front-proxy-ca.crt",
+        directory / "front-proxy-ca.key",
+    )
     return Pki(
         ca_cert=ca_cert,
         ca_key=ca_key,

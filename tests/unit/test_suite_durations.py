@@ -138,6 +138,7 @@ def test_only_the_real_node_images_and_demo_tests_wait_for_the_late_steps(tmp_pa
     assert steps_needed("tests/e2e/test_images.py::test_x[a]") == ("30-node", "40-images")
     assert steps_needed("tests/e2e/test_dashboards_e2e.py::test_x") == ()
     assert steps_needed("tests/cluster/test_a.py::test_x") == ()
+    assert steps_needed("tests/cluster/test_keda_autoscaling.py::test_x") == ("35-keda",)
     (tmp_path / "30-node.done").touch()
     (tmp_path / "40-images.failed").touch()
     assert step_outcome(tmp_path, "30-node") == "done"
