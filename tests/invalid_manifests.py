@@ -463,6 +463,34 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         C,
     ),
     _md(
+        "md-autoscaling-min-above-max",
+        "autoscaling whose floor is above its ceiling",
+        {"spec.pool.autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+        "spec.pool.autoscaling",
+        C,
+    ),
+    _md(
+        "md-autoscaling-cap-above-max",
+        "a best-effort cap above the most replicas",
+        {"spec.pool.autoscaling": {"maxReplicas": 2, "bestEffortMaxReplicas": 3}},
+        "spec.pool.autoscaling",
+        C,
+    ),
+    _md(
+        "md-autoscaling-without-prometheus",
+        "autoscaling enabled with no Prometheus for KEDA to read",
+        {"spec.pool.autoscaling": {"enabled": True}},
+        "spec.pool.autoscaling.prometheusAddress",
+        C,
+    ),
+    _md(
+        "md-autoscaling-prometheus-not-http",
+        "a Prometheus address that is not an http(s) URL",
+        {"spec.pool.autoscaling": {"enabled": True, "prometheusAddress": "prometheus:9090"}},
+        "spec.pool.autoscaling.prometheusAddress",
+        S,
+    ),
+    _md(
         "md-cpu-kv-space-not-whole-gib",
         "cpuKvCacheSpace that is not a whole number of GiB (vLLM reads an integer)",
         {

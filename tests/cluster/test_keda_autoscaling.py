@@ -1,12 +1,14 @@
 """KEDA scales a kvfleet ModelDeployment on a metric kvfleet exports, through the real chain.
 
 The gateway's ``kvfleet_gateway_engine_queue_depth`` (its own metrics registry, served over HTTP) →
-Prometheus (scraping every second) → KEDA's operator (a ``prometheus`` trigger) → KEDA's metrics API
-server, registered with the API server's aggregator for ``external.metrics.k8s.io`` → the HPA KEDA
-created, evaluated by kube-controller-manager's HPA controller → the ModelDeployment's scale subresource
-(``spec.pool.replicas``) → the operator's reconcile → the engine StatefulSet. Nothing in it is mocked:
-KEDA v2.21.0 built from its Go module (``hack/build-cluster.sh``, step ``keda``), started by the ``keda``
-fixture (:mod:`devcluster.keda`).
+Prometheus (scraping every second) → KEDA's operator, running the ScaledObject the operator renders from
+``spec.pool.autoscaling`` (``build/autoscaling.py``: every trigger, each query evaluated by Prometheus) →
+KEDA's metrics API server, registered with the API server's aggregator for ``external.metrics.k8s.io`` →
+the HPA KEDA created, evaluated by kube-controller-manager's HPA controller → the ModelDeployment's scale
+subresource (``spec.pool.replicas``) → the operator's reconcile → the engine StatefulSet. Nothing in it is
+mocked: KEDA v2.21.0 built from its Go module (``hack/build-cluster.sh``, step ``keda``), started by the
+``keda`` fixture (:mod:`devcluster.keda`). The operator does not apply the ScaledObject itself yet: the test
+applies what it renders.
 """
 
 from __future__ import annotations
@@ -16,22 +18,25 @@ from typing import Any
 
 import pytest
 from cluster_helpers import apply_crds, scratch_namespace, wait_for
-from devcluster import ControlPlane, PrometheusServer, build_scrape_config
+from devcluster import ControlPlane, PrometheusServer
 from devcluster.keda import Keda
 from prometheus_client import start_http_server
 from test_operator_reconcile import create, get, load_example, reconcile
 
 from factories import free_port
-from kvfleet_runtime.gateway.metrics import ENGINE_QUEUE_DEPTH, GatewayMetrics
+from kvfleet_operator.api.modeldeployment import ModelDeployment
+from kvfleet_operator.build.autoscaling import build_scaled_object
+from kvfleet_operator.build.common import owner_of
+from kvfleet_runtime.gateway.metrics import GatewayMetrics
 
 pytestmark = pytest.mark.cluster
 
 MD = "qwen72b"
+API = "/apis/kvfleet.io/v1alpha1"
 #: Queued premium requests per engine replica the pool is sized for (the trigger's threshold).
-TARGET_PER_REPLICA = 4
-QUERY = f'sum({ENGINE_QUEUE_DEPTH}{{pool="shared",sla_tier="premium"}})'
-#: How long a step of the chain may take on a loaded 2-core machine: Prometheus scrapes every second, the
-#: HPA controller evaluates every 3 s (devcluster.cluster.HPA_SYNC_PERIOD_S).
+PREMIUM_PER_REPLICA = 4
+#: How long a step of the chain may take on a loaded 2-core machine: Prometheus scrapes every second, KEDA
+#: polls every 2 s, the HPA controller evaluates every 3 s (devcluster.cluster.HPA_SYNC_PERIOD_S).
 STEP_S = 90
 
 
@@ -49,26 +54,28 @@ def gateway_metrics() -> Iterator[tuple[GatewayMetrics, int]]:
         thread.join(timeout=5)
 
 
-def scaled_object(namespace: str, prometheus_url: str) -> dict[str, Any]:
+def scrape_config(namespace: str, port: int) -> dict[str, Any]:
+    """The gateway's endpoint with the labels a Kubernetes scrape attaches (Prometheus Operator's
+    ServiceMonitor: namespace, pod), which the rendered queries select this ModelDeployment's gateway by."""
+    target = {"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": namespace, "pod": f"{MD}-gateway-0"}}
     return {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": {"name": f"{MD}-engine", "namespace": namespace},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "kvfleet.io/v1alpha1", "kind": "ModelDeployment", "name": MD},
-            "pollingInterval": 2,
-            "minReplicaCount": 1,
-            "maxReplicaCount": 3,
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    "metadata": {
-                        "serverAddress": prometheus_url,
-                        "query": QUERY,
-                        "threshold": str(TARGET_PER_REPLICA),
-                    },
-                }
-            ],
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "gateway", "static_configs": [target]}],
+    }
+
+
+def autoscaling(prometheus_url: str) -> dict[str, Any]:
+    """Every signal on: the tier queues (basic capped at 2), KV use and premium TTFT."""
+    return {
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "bestEffortMaxReplicas": 2,
+        "prometheusAddress": prometheus_url,
+        "pollingIntervalSeconds": 2,
+        "signals": {
+            "queuePerReplica": {"premium": PREMIUM_PER_REPLICA},
+            "ttft": {"tier": "premium", "p99Seconds": 0.5},
         },
     }
 
@@ -76,6 +83,12 @@ def scaled_object(namespace: str, prometheus_url: str) -> dict[str, Any]:
 def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
     conditions = (obj.get("status") or {}).get("conditions") or []
     return next((c for c in conditions if c.get("type") == kind), {})
+
+
+def _current(metric: dict[str, Any]) -> str | None:
+    current = metric["external"]["current"]
+    value = current.get("averageValue", current.get("value"))
+    return None if value is None else str(value)
 
 
 def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas_through_keda(
@@ -87,36 +100,45 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
     metrics, metrics_port = gateway_metrics
     queue = metrics.engine_queue_depth.labels(pool="shared", sla_tier="premium")
     queue.set(0)
-    prom = prometheus(build_scrape_config({"gateway": [f"127.0.0.1:{metrics_port}"]}, interval="1s"))
-    wait_for(lambda: prom.query(QUERY), timeout=STEP_S, what="the queue depth in Prometheus")
-
     apply_crds(full_cluster)
     with scratch_namespace(full_cluster, "keda") as ns:
         # A CRD just (re)applied answers 429 "storage is (re)initializing" for a moment after Established.
         for plural in ("tenants", "modeldeployments"):
             wait_for(
                 lambda plural=plural: (
-                    full_cluster.request("GET", f"/apis/kvfleet.io/v1alpha1/namespaces/{ns}/{plural}")[0]
-                    == 200
+                    full_cluster.request("GET", f"{API}/namespaces/{ns}/{plural}")[0] == 200
                 ),
                 what=f"{plural} served",
             )
-        md_path = f"/apis/kvfleet.io/v1alpha1/namespaces/{ns}/modeldeployments/{MD}"
+        prom = prometheus(scrape_config(ns, metrics_port))
+        md_path = f"{API}/namespaces/{ns}/modeldeployments/{MD}"
         doc = load_example("modeldeployment-qwen72b.yaml", ns)
         doc["spec"]["pool"]["replicas"] = 1
-        create(full_cluster, doc)
+        doc["spec"]["pool"]["autoscaling"] = autoscaling(prom.url)
+        create(full_cluster, doc)  # the real API server's schema and CEL rules accept the field
         result, _ = reconcile(full_cluster, ns, MD)
         assert not result.problem, result.problem
         md = get(full_cluster, md_path)
         # The scale subresource the HPA reads: replicas and the engine pods' selector, from the status.
         assert md["status"]["replicas"] == 1 and md["status"]["selector"], md["status"]
 
-        so = scaled_object(ns, prom.url)
+        parsed = ModelDeployment.model_validate(md)
+        so = build_scaled_object(ns, MD, parsed.spec.pool.autoscaling, owner_of(parsed))
+        assert so is not None
+        names = [t["name"] for t in so["spec"]["triggers"]]
+        assert names == ["queue-premium", "queue-standard", "queue-basic", "kv-usage", "ttft-premium"]
+        premium_query = so["spec"]["triggers"][0]["metadata"]["query"]
+        # Prometheus has the gateway's premium queue under the rendered selector (not only `or vector(0)`).
+        wait_for(
+            lambda: prom.query(premium_query.removesuffix(" or vector(0)")),
+            timeout=STEP_S,
+            what="the premium queue in Prometheus under the rendered selector",
+        )
         status, body = full_cluster.request(
             "POST", f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects", so
         )
         assert status == 201, body
-
+        so_path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/{so['metadata']['name']}"
         hpa_path = f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers/keda-hpa-{MD}-engine"
 
         def hpa() -> dict[str, Any] | None:
@@ -130,35 +152,40 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
             "name": MD,
         }
         assert (created["spec"]["minReplicas"], created["spec"]["maxReplicas"]) == (1, 3)
-        [metric] = created["spec"]["metrics"]
-        assert metric["type"] == "External", metric
-        assert metric["external"]["target"] == {
+        specs = created["spec"]["metrics"]
+        # One external metric per trigger, in the rendered order (KEDA names them s<index>-prometheus).
+        assert [m["external"]["metric"]["name"] for m in specs] == [f"s{i}-prometheus" for i in range(5)]
+        assert specs[0]["external"]["target"] == {
             "type": "AverageValue",
-            "averageValue": str(TARGET_PER_REPLICA),
+            "averageValue": str(PREMIUM_PER_REPLICA),
         }
+        assert [m["external"]["target"]["type"] for m in specs[3:]] == ["Value", "Value"]
 
-        # Before the step: the HPA controller reads the metric through the aggregator (ScalingActive) and
-        # sees the empty queue; the ModelDeployment stays at one replica.
-        def reading(value: str) -> dict[str, Any] | None:
+        # Every trigger's query is read through the aggregator (ScalingActive, one current value per
+        # metric); premium's is the one under test.
+        def reading(premium: str) -> dict[str, Any] | None:
             body = hpa()
             if body is None or _condition(body, "ScalingActive").get("status") != "True":
                 return None
-            current = (body.get("status") or {}).get("currentMetrics") or []
-            values = [m["external"]["current"].get("averageValue") for m in current if m.get("external")]
-            return body if values == [value] else None
+            current = [m for m in (body.get("status") or {}).get("currentMetrics") or [] if m.get("external")]
+            values = {m["external"]["metric"]["name"]: _current(m) for m in current}
+            if len(values) != len(names) or None in values.values():
+                return None
+            return body if values["s0-prometheus"] == premium else None
 
-        quiet = wait_for(lambda: reading("0"), timeout=STEP_S, what="the HPA reading an empty queue")
+        # Before the step: an empty queue, and nothing else asks for more (the other signals read 0).
+        quiet = wait_for(lambda: reading("0"), timeout=STEP_S, what="the HPA reading every signal at 0")
+        assert {_current(m) for m in quiet["status"]["currentMetrics"]} == {"0"}
         assert quiet["status"]["desiredReplicas"] == 1
         assert get(full_cluster, md_path)["spec"]["pool"]["replicas"] == 1
-        ready = wait_for(
-            lambda: _condition(get(full_cluster, so_path(ns)), "Ready").get("status") == "True",
+        wait_for(
+            lambda: _condition(get(full_cluster, so_path), "Ready").get("status") == "True",
             timeout=STEP_S,
             what="the ScaledObject Ready",
         )
-        assert ready
 
         # The step: eight premium requests queued for one replica sized for four.
-        queue.set(2 * TARGET_PER_REPLICA)
+        queue.set(2 * PREMIUM_PER_REPLICA)
         wait_for(
             lambda: get(full_cluster, md_path)["spec"]["pool"]["replicas"] == 2,
             timeout=STEP_S,
@@ -168,7 +195,7 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         assert scaled is not None and scaled["status"]["desiredReplicas"] == 2, scaled
         # KEDA's own polling (every pollingInterval) marks the ScaledObject Active on a non-zero value.
         wait_for(
-            lambda: _condition(get(full_cluster, so_path(ns)), "Active").get("status") == "True",
+            lambda: _condition(get(full_cluster, so_path), "Active").get("status") == "True",
             timeout=STEP_S,
             what="the ScaledObject Active",
         )
@@ -180,10 +207,6 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         assert sts["spec"]["replicas"] == 2
         assert get(full_cluster, md_path)["status"]["replicas"] == 2
         # With two replicas the queue is at target: the HPA holds at two (within its tolerance).
-        held = wait_for(lambda: reading(str(TARGET_PER_REPLICA)), timeout=STEP_S, what="the HPA at target")
+        held = wait_for(lambda: reading(str(PREMIUM_PER_REPLICA)), timeout=STEP_S, what="the HPA at target")
         assert held["status"]["desiredReplicas"] == 2
         assert get(full_cluster, md_path)["spec"]["pool"]["replicas"] == 2
-
-
-def so_path(namespace: str) -> str:
-    return f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects/{MD}-engine"

@@ -1145,6 +1145,147 @@ class NodeLossSpec(CrdModel):
     )
 
 
+# The has() guards: the API server also checks the rules against the field's default ({}), before defaulting.
+RULE_AUTOSCALING_BOUNDS = CelRule(
+    rule="(!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas) && "
+    "(!has(self.bestEffortMaxReplicas) || "
+    "((!has(self.minReplicas) || self.minReplicas <= self.bestEffortMaxReplicas) && "
+    "(!has(self.maxReplicas) || self.bestEffortMaxReplicas <= self.maxReplicas)))",
+    message="spec.pool.autoscaling must satisfy minReplicas <= bestEffortMaxReplicas <= maxReplicas",
+)
+RULE_AUTOSCALING_PROMETHEUS = CelRule(
+    rule="!has(self.enabled) || !self.enabled || has(self.prometheusAddress)",
+    message="spec.pool.autoscaling.prometheusAddress is required when autoscaling is enabled: KEDA reads "
+    "the pool's signals from that Prometheus, e.g. http://prometheus-operated.monitoring:9090",
+    field_path=".prometheusAddress",
+    reason="FieldValueRequired",
+)
+#: Prometheus' HTTP API, as KEDA's prometheus trigger takes it (``serverAddress``).
+PROMETHEUS_ADDRESS_PATTERN = r"^https?://[^\s/?#]+(/[^\s?#]*)?$"
+
+
+class QueueTargets(CrdModel):
+    """Requests the gateway may hold for the pool's saturated engines per replica, by SLA tier (its
+    ``kvfleet_gateway_engine_queue_depth``): the pool is sized for the tier's queue divided by its target.
+    0 turns a tier's signal off."""
+
+    premium: Annotated[
+        int, Field(ge=0, le=100000, description="Queued premium requests per replica, e.g. 2 (0: off).")
+    ] = 2
+    standard: Annotated[
+        int, Field(ge=0, le=100000, description="Queued standard requests per replica, e.g. 4 (0: off).")
+    ] = 4
+    basic: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=100000,
+            description="Queued basic (best-effort) requests per replica, e.g. 8 (0: off); this load alone "
+            "scales the pool up to bestEffortMaxReplicas only.",
+        ),
+    ] = 8
+
+
+class TtftSignal(CrdModel):
+    """The 99th percentile time to first token of one tier's requests at the gateway (over 2 minutes)."""
+
+    tier: Literal["premium", "standard", "basic"] = Field(
+        default="premium",
+        description="The SLA tier whose objective it is (the tightest one, usually premium).",
+    )
+    p99_seconds: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=600,
+            description="The objective: above it the pool grows in proportion (HPA Value target), e.g. 0.5.",
+        ),
+    ]
+
+
+class AutoscalingSignals(CrdModel):
+    """What KEDA reads from Prometheus to size the pool; the HPA follows whichever asks for most replicas."""
+
+    queue_per_replica: QueueTargets = Field(
+        default_factory=QueueTargets,
+        description="Queue depth per replica, by SLA tier.",
+        json_schema_extra={"default": {}},
+    )
+    kv_usage: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="The fraction of the pool's GPU-memory KV blocks held by running requests to keep "
+            "(the engines' kvfleet_engine_kv_pool_used_blocks over kvfleet_engine_kv_pool_blocks): above it "
+            "the pool grows in proportion, e.g. 0.9. 0: KV use does not scale the pool.",
+        ),
+    ] = 0.9
+    ttft: TtftSignal | None = Field(
+        default=None, description="A time-to-first-token objective that scales the pool when missed."
+    )
+
+
+class PoolAutoscaling(CrdModel):
+    """Autoscaling of the shared pool through KEDA: the operator renders a ScaledObject whose HPA writes
+    spec.pool.replicas through the ModelDeployment's scale subresource. Needs KEDA in the cluster and a
+    Prometheus that scrapes the gateway and the engines."""
+
+    model_config = {
+        "json_schema_extra": cel_rules_schema(RULE_AUTOSCALING_BOUNDS, RULE_AUTOSCALING_PROMETHEUS)
+    }
+
+    enabled: bool = Field(
+        default=False,
+        description="true: KEDA sizes the pool between minReplicas and maxReplicas and owns "
+        "spec.pool.replicas (leave it out of what you apply).",
+    )
+    min_replicas: Annotated[int, Field(ge=1, le=1024, description="Fewest replicas.")] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=1024, description="Most replicas.")] = 4
+    best_effort_max_replicas: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=1024,
+            description="The most replicas best-effort (basic tier) load alone may bring the pool to, "
+            "e.g. 2. Unset: minReplicas (best-effort load never adds a replica); premium and standard "
+            "pressure and KV use scale up to maxReplicas.",
+        ),
+    ] = None
+    prometheus_address: Annotated[
+        str | None,
+        Field(
+            max_length=512,
+            pattern=PROMETHEUS_ADDRESS_PATTERN,
+            description="The Prometheus KEDA queries, e.g. http://prometheus-operated.monitoring:9090.",
+        ),
+    ] = None
+    polling_interval_seconds: Annotated[
+        int, Field(ge=1, le=3600, description="How often KEDA reads the signals, in seconds.")
+    ] = 15
+    signals: AutoscalingSignals = Field(
+        default_factory=AutoscalingSignals,
+        description="The signals and their targets.",
+        json_schema_extra={"default": {}},
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        cap = self.best_effort_max_replicas
+        if self.min_replicas > self.max_replicas or (
+            cap is not None and not self.min_replicas <= cap <= self.max_replicas
+        ):
+            raise ValueError(RULE_AUTOSCALING_BOUNDS.message)
+        if self.enabled and self.prometheus_address is None:
+            raise ValueError(RULE_AUTOSCALING_PROMETHEUS.message)
+        return self
+
+    @property
+    def best_effort_cap(self) -> int:
+        """The replicas best-effort load alone may ask for (``bestEffortMaxReplicas``, else minReplicas)."""
+        return self.min_replicas if self.best_effort_max_replicas is None else self.best_effort_max_replicas
+
+
 class PoolSpec(CrdModel):
     """The engine replicas: how many, on which nodes, with which GPUs."""
 
@@ -1222,6 +1363,12 @@ class PoolSpec(CrdModel):
     node_loss: NodeLossSpec = Field(
         default_factory=NodeLossSpec,
         description="What happens to an engine pod whose node stops reporting (NotReady/unreachable).",
+        json_schema_extra={"default": {}},
+    )
+    autoscaling: PoolAutoscaling = Field(
+        default_factory=PoolAutoscaling,
+        description="Autoscaling of the pool through KEDA on kvfleet's own signals (queue per SLA tier, KV "
+        "use, time to first token).",
         json_schema_extra={"default": {}},
     )
 
