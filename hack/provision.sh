@@ -3,13 +3,14 @@
 # hack/provision.d/*.sh in lanes side by side, each lane's steps in order, and tells where it stands.
 #
 #   hack/provision.sh [--for NAME] [--also SCRIPT]... [--may-fail STEP]... [--may-fail-note TEXT]
-#                     [--failures FILE]
+#                     [--skip STEP]... [--failures FILE]
 #
 #   --for NAME         who runs it, in its messages (`make test`, `make demo`)
 #   --also SCRIPT      one more lane beside the steps, e.g. hack/lint.sh; its failure fails the run even
 #                      under KVFLEET_ALLOW_MISSING=1 (it provisions nothing a test could skip without)
 #   --may-fail STEP    (e.g. 30-node) a failure of that step is reported but fails nothing;
 #                      --may-fail-note says what happens instead
+#   --skip STEP        (e.g. 35-keda) a step the caller never needs: not run, not listed
 #   --failures FILE    every failed step, one per line, for the caller's own report
 #
 # Lanes: a step names its lane in a `# lane: NAME` line (default `build`): `build` (10-cluster, 30-node: Go
@@ -40,7 +41,7 @@ cd "$(dirname "$0")/.."
 
 usage() { sed -n '4,5p' "$0" | sed 's/^# *//' >&2; exit 2; }
 who=hack/provision.sh may_fail_note="" failures_out=""
-also=() may_fail=()
+also=() may_fail=() skip=()
 while [ $# -gt 0 ]; do
   [ $# -ge 2 ] || usage
   case $1 in
@@ -48,6 +49,7 @@ while [ $# -gt 0 ]; do
     --also) also+=("$2") ;;
     --may-fail) may_fail+=("$2") ;;
     --may-fail-note) may_fail_note=$2 ;;
+    --skip) skip+=("$2") ;;
     --failures) failures_out=$2 ;;
     *) usage ;;
   esac
@@ -83,6 +85,7 @@ outcome() {  # step done|failed
   [ -z "${KVFLEET_PROVISION_STATE:-}" ] || touch "$KVFLEET_PROVISION_STATE/$1.$2"
 }
 is_may_fail() { local s; for s in "${may_fail[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+is_skipped() { local s; for s in "${skip[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 start_line() {  # step lane
   local what takes last="" line seconds
@@ -189,6 +192,7 @@ declare -A lane_steps=()
 lanes=() count=0
 for step in hack/provision.d/*.sh; do
   [ -e "$step" ] || continue
+  ! is_skipped "$(basename "$step" .sh)" || continue
   lane=$(lane_of "$step")
   [ -n "${lane_steps[$lane]:-}" ] || lanes+=("$lane")
   lane_steps[$lane]+="$step "
