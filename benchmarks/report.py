@@ -994,6 +994,51 @@ def render_routing_vllm(f: Files) -> str:
     return f"`{r.command}`:\n\n" + table(header, rows)
 
 
+def _ratio_spread(fig: Figure) -> str:
+    """A ratio as ``12.4% [12.1-12.9]`` over several seeds, ``12.4%`` over one."""
+    if fig.runs == 1 or fig.min is None or fig.max is None:
+        return pct(100 * median(fig))
+    return f"{pct(100 * median(fig))} [{num(100 * fig.min, 1)}-{num(100 * fig.max, 1)}]"
+
+
+def render_simulate_routing_check(f: Files) -> str:
+    r = f["simulate_routing"]
+    cases = list(dict.fromkeys(k.split(".")[1] for k in r.figures if k.startswith("check.")))
+    rows = []
+    for scenario in cases:
+        for mode in ("affinity", "precise"):
+            prefix = f"check.{scenario}.{mode}."
+            simulated, real = median(r.figure(prefix + "simulated")), median(r.figure(prefix + "measured"))
+            difference = _signed(f"{simulated - real:+.3f}")
+            rows.append([scenario, mode, num(simulated, 3), num(real, 3), difference])
+    header = ["scenario", "routing", "simulated hit rate", "measured (routing_vllm)", "difference"]
+    return table(header, rows)
+
+
+SIM_ROUTINGS = ("session", "affinity", "precise", "precise+tiers")
+
+
+def render_simulate_routing(f: Files) -> str:
+    r = f["simulate_routing"]
+    seeds = detail_int(r, "seeds")
+    head = (
+        f"`{r.command}`: {num(detail_int(r, 'sessions'))} sessions, {num(detail_float(r, 'duration_s'))} s "
+        f"of traffic, first {num(detail_float(r, 'warmup_s'))} s not measured, units of "
+        f"{detail_int(r, 'unit_tokens')} tokens, seeds 0-{seeds - 1}; recomputed share of prompt tokens, "
+        "median [min-max]:"
+    )
+    keys = [k.rsplit(".", 1)[0] for k in r.figures if k.endswith(".recompute")]
+    pairs = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in keys))
+    rows = [
+        [*pair.split("."), *(_ratio_spread(r.figure(f"{pair}.{how}.recompute")) for how in SIM_ROUTINGS)]
+        for pair in pairs
+    ]
+    header = ["scenario", "config", "session (ideal)", "affinity", "precise", "precise+tiers (not built)"]
+    wall, cpu = detail_float(r, "wall_seconds"), detail_float(r, "cpu_seconds")
+    tail = f"The run took {duration(cpu)} of CPU ({duration(wall)} of wall time on the machine below)."
+    return f"{head}\n\n{table(header, rows)}\n\n{tail}"
+
+
 # --- the page -------------------------------------------------------------------------------------------
 
 
@@ -1059,6 +1104,8 @@ BLOCKS: dict[str, Block] = {
         ("fairness_replicas_vllm",), lambda f: render_fairness_replicas_vllm(f, "fairness_replicas_vllm")
     ),
     "routing_vllm": Block(("routing_vllm",), render_routing_vllm),
+    "simulate_routing_check": Block(("simulate_routing",), render_simulate_routing_check),
+    "simulate_routing": Block(("simulate_routing",), render_simulate_routing),
 }
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import zlib
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kvfleet_runtime.config import (
     TenantEntry,
     TierTTLs,
 )
+from kvfleet_runtime.kv.placement import build_hash_ring
 from kvfleet_runtime.kv.simulate_cli import build_table_tenants, run_simulate
 from kvfleet_runtime.kv.simulator import (
     POLICIES,
@@ -324,7 +324,8 @@ def test_affinity_routes_by_the_salted_prefix_and_precise_follows_what_a_gpu_hol
 def test_fleet_events_restart_a_replica_and_add_one() -> None:
     fleet = FleetSpec(replicas=2, unit_tokens=UNIT, hbm_units_per_replica=100)
     # Session routing on the replicas present: a session hashed to replica 1 goes to 0 before 1 joins.
-    late = next(s for s in (f"s{i}" for i in range(100)) if zlib.crc32(s.encode()) % 2 == 1)
+    ring = build_hash_ring(["0", "1"])
+    late = next(s for s in (f"s{i}" for i in range(100)) if ring.walk(s.encode())[0] == "1")
     reqs = [req(0.0, "a", [(1, 64)], session=late), req(10.0, "a", [(1, 64)], session=late)]
     steady = simulate(reqs, fleet, POLICIES["lru"], [SimulatedTenant("a")]).tenants["a"]
     assert steady.recomputed_tokens == 0 and steady.hit_tokens["hbm"] == 64

@@ -11,12 +11,13 @@ Model
   reuse is exactly vLLM's: a prompt hits the longest run of leading units found in its replica's HBM, or
   failing that in the CPU then NVMe tier; the rest is computed. Only full units are cached; the partial
   last unit of a sequence is always computed.
-* A request goes to one replica by its :class:`RoutingSpec`: ``session`` (a stable hash of its session,
-  an ideal no gateway has for a prompt; the default), ``affinity`` (the gateway's bounded-load
-  consistent hash of the salted prompt prefix: ``kv/placement.py``'s ``select_replica``) or ``precise``
-  (the replica holding the longest run of the prompt's leading units in HBM, what vLLM's KV events
-  report, under the same load bound: ``select_deepest``; else affinity). The load is the requests in
-  flight per replica. :class:`FleetEvent` adds a replica or restarts one (its HBM and own tiers lost).
+* A request goes to one replica by its :class:`RoutingSpec`: ``session`` (its session's place on a
+  consistent-hash ring, no load bound: an ideal no gateway has for a prompt; the default), ``affinity``
+  (the gateway's bounded-load consistent hash of the salted prompt prefix: ``select_replica`` of
+  ``kv/placement.py``) or ``precise`` (affinity's replica unless another under the same load bound
+  holds a longer run of the prompt's leading units in HBM, what vLLM's KV events report:
+  ``select_precise``). The load is the requests in flight per replica. :class:`FleetEvent` adds a
+  replica or restarts one (its HBM and own tiers lost).
   At arrival its hit units are pinned in HBM (restored from CPU/NVMe: restores are copies, NVMe restores
   are staged through CPU), its computed units are added to HBM, pinned. At completion (arrival + TTFT +
   output tokens / decode rate, or the trace's ``duration``) the output's full units are added and every
@@ -441,7 +442,7 @@ class _Router:
     def choose(self, state: _Fleet, request: Request, salt: int, keys: Sequence[int]) -> tuple[int, str]:
         """The replica for a request and how it was chosen."""
         if self.spec.mode == "session":
-            return self.active[zlib.crc32(request.session.encode()) % len(self.active)], "session"
+            return int(self.ring.walk(request.session.encode())[0]), "session"
         healthy = {str(r) for r in self.active}
         loads = {str(r): self.loads[r] for r in self.active}
         # The salted prefix: the chain key of the unit holding the prompt's first affinity tokens.
