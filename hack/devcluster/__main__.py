@@ -1,6 +1,7 @@
 """``python -m devcluster up|down|status|env|bench|preload-images`` (run with ``hack`` on ``PYTHONPATH``).
 
-``up [--tier api|full|node]`` starts a control plane whose processes outlive the command, records it in
+``up [--tier api|full|node] [--keda]`` starts a control plane whose processes outlive the command (with
+``--keda``, KEDA's operator and metrics API server against it: :mod:`devcluster.keda`), records it in
 ``$KVFLEET_CACHE/devcluster/state.json`` and copies its admin kubeconfig to
 ``$KVFLEET_CACHE/devcluster/kubeconfig``; ``env`` prints ``export KUBECONFIG=... PATH=...`` for a shell
 (``eval "$(python -m devcluster env)"``); ``status`` says what runs; ``down`` kills every process group
@@ -25,6 +26,7 @@ from pathlib import Path
 from .binaries import BUILD_COMMAND, bin_dir, cache_dir, missing_binaries
 from .binaries import FULL_TIER_BINARIES as FULL
 from .cluster import ControlPlane, start_control_plane
+from .keda import KEDA_BUILD_COMMAND, missing_keda, start_keda
 from .node import missing_node_components, preload_images
 
 
@@ -57,10 +59,25 @@ def _up(args: argparse.Namespace) -> int:
     if missing:
         print(f"missing binaries: {', '.join(missing)}; build them with {BUILD_COMMAND}", file=sys.stderr)
         return 1
+    if args.keda and args.tier == "api":
+        print("--keda needs --tier full or node (the HPA controller)", file=sys.stderr)
+        return 2
+    if args.keda and missing_keda():
+        print(f"missing: {', '.join(missing_keda())}; build them with {KEDA_BUILD_COMMAND}", file=sys.stderr)
+        return 1
     state_dir = _state_file().parent
     state_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="cluster-", dir=state_dir))
     plane = start_control_plane(args.tier, workdir=workdir, timeout=args.timeout)
+    if args.keda:
+        try:
+            keda = start_keda(plane, timeout=args.timeout, workdir=workdir / "keda")
+        except BaseException:
+            plane.stop()
+            raise
+        # `down` stops them with the rest (the whole cluster goes, so its APIService does not matter).
+        plane.processes.extend(keda.processes)
+        plane.started_in["keda"] = keda.started_in
     # Processes run in their own sessions; drop the Popen handles so nothing waits on them at exit.
     for proc in plane.processes:
         proc.popen = None
@@ -143,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a control plane (detached)")
     up.add_argument("--tier", choices=["api", "full", "node"], default="full")
+    up.add_argument("--keda", action="store_true", help="also start KEDA (operator, metrics API server)")
     up.add_argument("--timeout", type=float, default=float(os.environ.get("KVFLEET_CLUSTER_TIMEOUT", "180")))
     up.set_defaults(func=_up)
     sub.add_parser("down", help="stop it and remove its folder").set_defaults(func=_down)
