@@ -1,8 +1,8 @@
 """Every metric name kvfleet's dashboards and alerts may use, read from the code that defines it.
 
-kvfleet's own metrics come from their Prometheus registries (operator, gateway, LMCache sync) and the
-engine plugin's family builder, so a renamed or removed metric changes this catalog; vLLM's come from the
-installed vLLM source (``vllm/v1/metrics/loggers.py``), the only place they are defined.
+kvfleet's own metrics come from their Prometheus registries (operator, gateway, LMCache sync, the shared
+KV tier) and the engine plugin's family builder, so a renamed or removed metric changes this catalog;
+vLLM's come from the installed vLLM source (``vllm/v1/metrics/loggers.py``), the only place they are defined.
 
 Names are the *exposed sample names*: a counter ``x`` is exposed as ``x_total`` (and ``x_created``), a
 histogram ``h`` as ``h_bucket``, ``h_sum`` and ``h_count``.
@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvfleet_operator import metrics as operator_metrics
 from kvfleet_runtime.engine.lmcache_sync import LMCacheSyncMetrics
 from kvfleet_runtime.engine.metrics import PoolSnapshot, build_metric_families
+from kvfleet_runtime.engine.shared_tier import SharedTierMetrics
 from kvfleet_runtime.gateway.metrics import GatewayMetrics
 
 _SUFFIXES = {
@@ -59,7 +60,12 @@ def engine_metric_names() -> frozenset[str]:
 @cache
 def kvfleet_metric_names() -> frozenset[str]:
     """Exposed names of every ``kvfleet_*`` metric defined in the code."""
-    registries = [operator_metrics.REGISTRY, GatewayMetrics().registry, LMCacheSyncMetrics().registry]
+    registries = [
+        operator_metrics.REGISTRY,
+        GatewayMetrics().registry,
+        LMCacheSyncMetrics().registry,
+        SharedTierMetrics(CollectorRegistry()).registry,
+    ]
     names: set[str] = set(engine_metric_names())
     for registry in registries:
         names |= registry_names(registry)

@@ -52,6 +52,12 @@ LMCACHE_SALT_REMOVALS = metric("kvfleet_lmcache_salt_removals_total")
 LMCACHE_SYNC_ERRORS = metric("kvfleet_lmcache_sync_errors_total")
 LMCACHE_SYNC_LAST_SUCCESS = metric("kvfleet_lmcache_sync_last_success_timestamp_seconds")
 
+# The shared KV tier's metrics (kvfleet_runtime.engine.shared_tier; labelled by salt_hash, never a salt).
+SHARED_TIER_BYTES = metric("kvfleet_shared_tier_bytes")
+SHARED_TIER_QUOTA_BYTES = metric("kvfleet_shared_tier_quota_bytes")
+SHARED_TIER_EVICTIONS = metric("kvfleet_shared_tier_evictions_total")
+SHARED_TIER_REQUESTS = metric("kvfleet_shared_tier_requests_total")
+
 DATASOURCE = gm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 MODEL = 'model=~"$model"'
 VLLM_MODEL = 'model_name=~"$model"'
@@ -450,7 +456,8 @@ TENANT_DASHBOARD = DashboardSpec(
 KV_TIERS = DashboardSpec(
     uid="kvfleet-kv-tiers",
     title="kvfleet / KV tiers",
-    description="The KV cache on every tier: GPU memory per replica, LMCache CPU and NVMe per tenant.",
+    description="The KV cache on every tier: GPU memory per replica, LMCache CPU and NVMe per tenant, the "
+    "pool's shared tier per salt.",
     variables=("model", "tenant"),
     rows=(
         (
@@ -573,6 +580,43 @@ KV_TIERS = DashboardSpec(
                         ),
                     ],
                     unit="s",
+                ),
+            ),
+        ),
+        (
+            "Shared KV tier",
+            (
+                PanelSpec(
+                    "Shared tier occupancy per salt",
+                    "Bytes each cache salt holds in the pool's shared KV tier (spec.kvCache.shared: one "
+                    "server every replica of the pool stores chunks to and reads from), and its quota (its "
+                    "tenants' CPU-tier quota). A salt is shown by its salt_hash, never the salt itself.",
+                    [
+                        Query(f"sum by (salt_hash) ({SHARED_TIER_BYTES})", "{{salt_hash}} resident"),
+                        Query(f"sum by (salt_hash) ({SHARED_TIER_QUOTA_BYTES})", "{{salt_hash}} quota"),
+                    ],
+                    unit="bytes",
+                ),
+                PanelSpec(
+                    "Shared tier requests by result",
+                    "Requests per second the replicas' LMCache sent the shared tier: get (a hit is a chunk "
+                    "another replica computed), exists, and set (stored, or refused for a salt the tenant "
+                    "table does not know).",
+                    [Query(rate(SHARED_TIER_REQUESTS, "", "op, result"), "{{op}} {{result}}")],
+                    unit="reqps",
+                ),
+                PanelSpec(
+                    "Shared tier evictions by reason",
+                    "Chunks per second the shared tier evicted by kvfleet's policy, by salt and reason "
+                    "(idle past the TTL, salt over its burst cap, or the tier full).",
+                    [
+                        event_query(
+                            rate(SHARED_TIER_EVICTIONS, "", "salt_hash, reason"),
+                            f"sum by (salt_hash) ({SHARED_TIER_BYTES})",
+                            on="salt_hash",
+                            legend="{{salt_hash}} {{reason}}",
+                        )
+                    ],
                 ),
             ),
         ),

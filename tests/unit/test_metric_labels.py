@@ -17,6 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from kvfleet_operator import metrics as operator_metrics
 from kvfleet_runtime.engine.lmcache_sync import KV_TIER_LABEL, LMCacheSyncMetrics
 from kvfleet_runtime.engine.metrics import PoolSnapshot, TenantSnapshot, build_metric_families
+from kvfleet_runtime.engine.shared_tier import SharedTierMetrics
 from kvfleet_runtime.gateway.metrics import SLA_TIER_LABEL, GatewayMetrics, LocalCollector
 
 #: Labels Prometheus adds to every scraped series (ServiceMonitor/PodMonitor targets), and ``le``.
@@ -51,6 +52,7 @@ def defined_labels() -> dict[str, frozenset[str]]:
     out = _wrapper_labels(_registry_objects(GatewayMetrics().registry))
     out |= _wrapper_labels(_registry_objects(LMCacheSyncMetrics().registry))
     out |= _wrapper_labels(_registry_objects(operator_metrics.REGISTRY))
+    out |= _wrapper_labels(_registry_objects(SharedTierMetrics(CollectorRegistry()).registry))
     snapshot = PoolSnapshot(
         total_blocks=1,
         used_blocks=0,

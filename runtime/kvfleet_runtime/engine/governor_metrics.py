@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from kvfleet_runtime.engine.l1_governance import L1Governor
 from kvfleet_runtime.engine.salt_labels import LMCACHE_SALT_LABEL, SALT_LABEL, salt_hash
@@ -19,23 +19,38 @@ from kvfleet_runtime.kv.policy import EvictionReason
 
 class GovernorMetrics:
     """Series named ``<prefix>_bytes``, ``_quota_bytes``, ``_burst_bytes``, ``_evictions`` and
-    ``_tenant_table_reloads`` in the default registry; ``where`` and ``objects`` word the help texts."""
+    ``_tenant_table_reloads`` in ``registry`` (the default one: the process serves it); ``where`` and
+    ``objects`` word the help texts."""
 
-    def __init__(self, prefix: str, where: str, objects: str, *, hashed: bool = False) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        where: str,
+        objects: str,
+        *,
+        hashed: bool = False,
+        registry: CollectorRegistry = REGISTRY,
+    ) -> None:
+        self.registry = registry
         #: The label a salt goes under, and its value for a salt.
         self.salt_label = SALT_LABEL if hashed else LMCACHE_SALT_LABEL
         self.label_of: Callable[[str], str] = salt_hash if hashed else str
         label = self.salt_label
-        self.bytes = Gauge(f"{prefix}_bytes", f"Bytes of a salt resident in {where}.", [label])
-        self.quota = Gauge(f"{prefix}_quota_bytes", f"A salt's {where} quota.", [label])
-        self.burst = Gauge(f"{prefix}_burst_bytes", f"A salt's {where} burst cap.", [label])
+        self.bytes = Gauge(
+            f"{prefix}_bytes", f"Bytes of a salt resident in {where}.", [label], registry=registry
+        )
+        self.quota = Gauge(f"{prefix}_quota_bytes", f"A salt's {where} quota.", [label], registry=registry)
+        self.burst = Gauge(
+            f"{prefix}_burst_bytes", f"A salt's {where} burst cap.", [label], registry=registry
+        )
         self.evictions = Counter(
             f"{prefix}_evictions",
             f"{objects} evicted by kvfleet's policy, by salt and reason.",
             [label, "reason"],
+            registry=registry,
         )
         self.reloads = Counter(
-            f"{prefix}_tenant_table_reloads", "Tenant table reloads by result.", ["result"]
+            f"{prefix}_tenant_table_reloads", "Tenant table reloads by result.", ["result"], registry=registry
         )
         self._reported: dict[tuple[str, EvictionReason], int] = {}
         self._salts: set[str] = set()

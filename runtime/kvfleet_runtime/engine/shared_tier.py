@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from prometheus_client import Counter, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, start_http_server
 
 from kvfleet_runtime.config import SHARED_TIER_METRICS_PORT, SHARED_TIER_PORT
 from kvfleet_runtime.config_watch import RuntimeConfig, RuntimeConfigWatcher
@@ -72,12 +72,13 @@ class SharedTierMetrics(GovernorMetrics):
     """The tier's series (default registry, served on ``--metrics-port``): the governor's per-salt ones and
     requests by salt, operation and result."""
 
-    def __init__(self) -> None:
-        super().__init__("kvfleet_shared_tier", "the shared tier", "Chunks", hashed=True)
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        super().__init__("kvfleet_shared_tier", "the shared tier", "Chunks", hashed=True, registry=registry)
         self.requests = Counter(
             "kvfleet_shared_tier_requests",
             "Requests by salt (its salt_hash), operation and result.",
             [SALT_LABEL, "op", "result"],
+            registry=registry,
         )
 
 
