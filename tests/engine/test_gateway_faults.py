@@ -536,8 +536,8 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
         # Which engine will serve the stream, found before it starts: the gateway routes a prompt to the
         # same replica every time (prefix affinity, both healthy, nothing in flight), so a short request
         # with the stream's prompt lands there, and a finished request's counter is exact. (Reading vLLM's
-        # running gauge during the stream failed twice in warm CI runs: the 1,800 tokens took 2.5 s, and
-        # the gauge had not shown the stream before it ended.)
+        # running gauge during the stream failed twice in warm CI runs: the gauge had not shown the stream
+        # before it ended.)
         # Both replicas in rotation first: the new gateway takes a replica into rotation at its first health
         # check, so a probe sent before the second one's would land on the first whatever the affinity.
         deadline = time.monotonic() + 30
@@ -564,17 +564,19 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
         before = [success_count(e) for e in pair]
         hits = [e.metric_value("vllm:prefix_cache_hits_total") for e in pair]
         started = asyncio.Event()
-        task = asyncio.create_task(stream(http, gw.url, cfg.keys["acme"], prompt, 1800, first_events=started))
+        # 6,000 tokens (about 8 s here): the stream is still running when the kill lands, however slow the
+        # one read between its first events and the kill (1,800 tokens once ended first, in 2.5 s).
+        task = asyncio.create_task(stream(http, gw.url, cfg.keys["acme"], prompt, 6000, first_events=started))
         await asyncio.wait_for(started.wait(), 60)
         # The stream runs where the probe's blocks are (its prompt hit them there), by the index's choice.
-        hit_now = [e.metric_value("vllm:prefix_cache_hits_total") for e in pair]
-        decisions = {
-            how: await metric(gw, m.ROUTE_DECISIONS_TOTAL, how=how) for how in ("precise", "affinity")
-        }
-        assert hit_now[pair.index(victim)] > hits[pair.index(victim)], (hits, hit_now, decisions)
+        victim_hits = victim.metric_value("vllm:prefix_cache_hits_total")
         (survivor,) = [e for e in pair if e is not victim]
         signal_group(victim, signal.SIGKILL)
         killed_at = time.monotonic()
+        decisions = {
+            how: await metric(gw, m.ROUTE_DECISIONS_TOTAL, how=how) for how in ("precise", "affinity")
+        }
+        assert victim_hits > hits[pair.index(victim)], (hits, victim_hits, decisions)
         result = await asyncio.wait_for(task, 30)  # ends, never hangs
         ended_after = time.monotonic() - killed_at
 
