@@ -30,6 +30,8 @@ Grant = tuple[str, str, str]  # (API group, resource, verb)
 CLIENT_VERBS: dict[str, frozenset[str] | None] = {
     "get": frozenset({"get"}),
     "list": frozenset({"list"}),
+    "list_versioned": frozenset({"list"}),
+    "watch": frozenset({"watch"}),
     "apply": frozenset({"create", "patch"}),  # server-side apply of a missing object is a create
     "apply_status": frozenset({"patch"}),
     "merge_patch": frozenset({"patch"}),
@@ -50,8 +52,24 @@ def kind_named(node: ast.expr) -> kinds.Kind | None:
     return None
 
 
+#: The module whose calls name their kind in a variable that ranges over ``kinds.INFORMED_KINDS`` (its
+#: watch-fed copies), not over the children.
+INFORMER = OPERATOR / "k8s" / "informer.py"
+
+
+def kinds_of_variable(path: Path) -> tuple[kinds.Kind, ...]:
+    """What a kind held in a variable ranges over in the module at ``path``."""
+    return kinds.INFORMED_KINDS if path == INFORMER else kinds.CHILD_KINDS
+
+
 def operator_calls() -> Iterator[tuple[str, ast.Call]]:
     """Every ``<...>client.<method>(...)`` call of a KubeClient method in the operator package."""
+    for _path, method, call in operator_calls_by_module():
+        yield method, call
+
+
+def operator_calls_by_module() -> Iterator[tuple[Path, str, ast.Call]]:
+    """:func:`operator_calls`, each with the module it is in."""
     for path in sorted(OPERATOR.rglob("*.py")):
         if path.parent.name == "k8s" and path.name == "client.py":
             continue  # the client itself; k8s/leader.py's Lease calls count
@@ -61,7 +79,7 @@ def operator_calls() -> Iterator[tuple[str, ast.Call]]:
             receiver = node.func.value
             name = receiver.id if isinstance(receiver, ast.Name) else getattr(receiver, "attr", "")
             if name == "client" and node.func.attr in CLIENT_VERBS:
-                yield node.func.attr, node
+                yield path, node.func.attr, node
 
 
 def status_kinds() -> set[kinds.Kind]:
@@ -82,7 +100,7 @@ def resource_of(kind: kinds.Kind, sub: str = "") -> tuple[str, str]:
 
 def code_grants() -> set[Grant]:
     grants: set[Grant] = set()
-    for method, call in operator_calls():
+    for path, method, call in operator_calls_by_module():
         verbs = CLIENT_VERBS[method]
         if verbs is None:
             continue
@@ -93,7 +111,7 @@ def code_grants() -> set[Grant]:
             targets = [resource_of(k, "/status") for k in ([named] if named else status_kinds())]
         else:
             named = kind_named(call.args[0])
-            targets = [resource_of(k) for k in ([named] if named else kinds.CHILD_KINDS)]
+            targets = [resource_of(k) for k in ([named] if named else kinds_of_variable(path))]
         grants |= {(group, resource, verb) for group, resource in targets for verb in verbs}
     return grants
 

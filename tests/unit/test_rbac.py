@@ -21,7 +21,9 @@ def test_every_client_request_method_has_its_verbs() -> None:
     methods = {
         name
         for name, fn in inspect.getmembers(KubeClient, inspect.iscoroutinefunction)
-        if not name.startswith("_") and "_request" in inspect.getsource(fn)
+        + inspect.getmembers(KubeClient, inspect.isasyncgenfunction)
+        if not name.startswith("_")
+        and any(call in inspect.getsource(fn) for call in ("self._request(", "self._session."))
     }
     assert methods == set(CLIENT_VERBS)
 
@@ -46,7 +48,7 @@ def test_the_derivation_finds_what_the_operator_does() -> None:
 def test_secrets_are_only_ever_listed_through_a_label_selector() -> None:
     """RBAC cannot limit a list by label; the operator's code does: every list that can return Secrets
     (``kinds.SECRET`` or a kind variable over the children) passes a label selector."""
-    lists = [call for method, call in operator_calls() if method == "list"]
+    lists = [call for method, call in operator_calls() if method in ("list", "list_versioned", "watch")]
     secret_lists = [c for c in lists if kind_named(c.args[0]) in (None, kinds.SECRET)]
     assert secret_lists, "no list that can return Secrets found: the derivation needs updating"
     for call in secret_lists:

@@ -701,6 +701,42 @@ def test_events(
     assert [(e["type"], e["reason"]) for e in st.compute_events(_raw_tenant(), before, after)] == events
 
 
+@pytest.mark.parametrize(
+    ("before", "after", "on_md"),
+    [
+        pytest.param(None, _cond("True", "Ready"), True, id="first-ready"),
+        pytest.param(
+            _cond("False", "ModelDeploymentNotReady"), _cond("True", "Ready"), True, id="pool-ready"
+        ),
+        pytest.param(None, _cond("False", "ModelDeploymentNotReady"), True, id="waits-for-its-pool"),
+        pytest.param(_cond("True", "Ready"), _cond("False", "ModelDeploymentNotReady"), True, id="pool-down"),
+        pytest.param(None, _cond("False", "QuotaExceedsCapacity"), False, id="own-problem"),
+        pytest.param(_cond("True", "Ready"), _cond("False", "ApiKeyShared"), False, id="own-key"),
+    ],
+)
+def test_a_tenants_pool_news_is_told_on_its_model_deployment(
+    before: list[dict[str, Any]] | None, after: list[dict[str, Any]], on_md: bool
+) -> None:
+    (event,) = st.compute_events(_raw_tenant(), before, after)
+    assert st.told_on_model_deployment(event) is on_md
+
+
+def test_one_summary_event_per_kind_names_the_tenants() -> None:
+    ready = [st.compute_events(_raw_tenant(f"t{i:02d}"), None, _cond("True", "Ready"))[0] for i in range(25)]
+    waiting = st.compute_events(_raw_tenant("w"), None, _cond("False", "ModelDeploymentNotReady"))
+    events = st.compute_tenant_summary_events(_raw_md(), [*ready, *waiting], NOW)
+    assert [(e["type"], e["reason"]) for e in events] == [
+        ("Normal", "TenantsReady"),
+        ("Normal", "TenantsWaiting"),
+    ]
+    assert events[0]["involvedObject"]["kind"] == "ModelDeployment"
+    assert events[0]["involvedObject"]["uid"] == "md-uid"
+    assert events[0]["message"].startswith("25 tenant(s) became Ready: t00, t01,")
+    assert events[0]["message"].endswith("t19 and 5 more.")
+    assert events[1]["message"] == "1 tenant(s) wait for this ModelDeployment's pools: w."
+    assert st.compute_tenant_summary_events(_raw_md(), [], NOW) == []
+
+
 # --- the shared KV tier (spec.kvCache.shared) ------------------------------------------------------------
 
 

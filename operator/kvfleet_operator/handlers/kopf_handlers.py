@@ -1,9 +1,12 @@
 """kopf wiring: every trigger funnels into one coalesced, idempotent reconcile per ModelDeployment.
 
 Triggers:
-* any event of a ModelDeployment, of a Tenant (for the ModelDeployment it references, and the one it
-  referenced before when the reference changed), and of any child the operator labelled as its own
-  (watched with a server-side label selector, so unrelated Secrets never reach the operator);
+* any event of a ModelDeployment, and of any child the operator labelled as its own (watched by kopf with
+  a server-side label selector, so unrelated Secrets never reach the operator);
+* any change of a Tenant but one of its status alone (for the ModelDeployment it references, and the one
+  it referenced before when the reference changed), and of a Secret labelled as a tenant's key: seen by
+  the watch-fed copies every reconcile reads (``k8s/informer.py``), which replace a LIST of the
+  namespace's Tenants and key Secrets per reconcile;
 * a timer per ModelDeployment (``KVFLEET_RESYNC_SECONDS``, default 30 s): the safety net.
 
 Event handlers store nothing on the objects (no progress annotations): the reconcile is level-triggered
@@ -29,7 +32,13 @@ from kopf._cogs.structs.references import Selector  # not re-exported by kopf; d
 
 from kvfleet_operator import metrics
 from kvfleet_operator.api.common import GROUP, VERSION
-from kvfleet_operator.build.common import LABEL_MANAGED_BY, LABEL_MODEL_DEPLOYMENT, MANAGED_BY
+from kvfleet_operator.build.common import (
+    LABEL_API_KEY,
+    LABEL_MANAGED_BY,
+    LABEL_MODEL_DEPLOYMENT,
+    LABEL_TENANT,
+    MANAGED_BY,
+)
 from kvfleet_operator.build.gateway_store import parse_gateway_store
 from kvfleet_operator.build.gpu_groups import parse_gpu_group_owners
 from kvfleet_operator.build.guardrails import GUARDRAILS_ENV, parse_guardrails
@@ -38,23 +47,35 @@ from kvfleet_operator.build.network import parse_metrics_scrapers, parse_operato
 from kvfleet_operator.handlers.faults import crash_point
 from kvfleet_operator.handlers.reconcile import (
     OperatorConfig,
+    WatchedReads,
     load_gateway_store,
     load_salt_master,
     reconcile_model_deployment,
     tenants_referencing,
 )
+from kvfleet_operator.handlers.status_writer import StatusWriter
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, Credentials, KubeClient
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
 from kvfleet_operator.k8s.gateway_store import GatewayStoreProbe
+from kvfleet_operator.k8s.informer import Informer
 from kvfleet_operator.k8s.leader import default_identity, user_agent
 from kvfleet_runtime.config import parse_media_hosts
 
 log = logging.getLogger("kvfleet.operator")
 
+Obj = dict[str, Any]
+
 FINALIZER = "kvfleet.io/finalizer"
 ANNOTATION_PREFIX = "kvfleet.io"
 RESYNC_SECONDS = float(os.environ.get("KVFLEET_RESYNC_SECONDS", "30"))
+#: How long a Tenant status that only says it waits for its pool is held, in case the pool gets ready
+#: meanwhile (``handlers/status_writer.py``).
+STATUS_HOLD_SECONDS = float(os.environ.get("KVFLEET_STATUS_HOLD_SECONDS", "10"))
+#: Reconciles that run at once (of different ModelDeployments; one ModelDeployment's never overlap).
+RECONCILES_AT_ONCE = 8
+#: How long start-up waits for the first list of Tenants and key Secrets before kopf retries it.
+INFORMER_SYNC_SECONDS = 120.0
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
 DEFAULT_GATEWAY_IMAGE = "ghcr.io/kvfleet/kvfleet:0.1.0"
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -111,16 +132,82 @@ class OperatorState:
         self.client = client
         self.config = config
         self.coalescer = Coalescer()
-        #: Tenant uid -> ModelDeployment it referenced when last seen (to reconcile the old one on a move).
-        self.tenant_refs: dict[str, str] = {}
+        #: Reconciles running at once: each holds its ModelDeployment's tenants parsed and their statuses,
+        #: so fifty at once would hold every tenant of the cluster several times over.
+        self._slots = asyncio.Semaphore(RECONCILES_AT_ONCE)
+        #: Reconciles started by a watched change (``tenant_changed``), kept until they end.
+        self._spawned: set[asyncio.Task[None]] = set()
 
     async def reconcile(self, namespace: str, name: str) -> None:
         async def _run() -> None:
-            result = await reconcile_model_deployment(self.client, self.config, namespace, name)
+            async with self._slots:
+                result = await reconcile_model_deployment(self.client, self.config, namespace, name)
             for change in result.applied + result.deleted:
                 log.info("%s/%s: %s", namespace, name, change)
 
         await self.coalescer.run((namespace, name), _run)
+
+    def wrote(self, obj: Obj) -> None:
+        """An object the API server answered a write with, for the watch-fed copies."""
+        self.config.wrote(obj)
+
+    def tenant_changed(self, old: Obj | None, new: Obj | None) -> None:
+        """A Tenant changed (the informer's ``on_change``): reconcile the ModelDeployment it references,
+        and the one it referenced before when the reference moved. A change of its status alone (the
+        operator's own write) triggers nothing: the status is the reconcile's output, and the resync
+        timer restores one that someone else edited."""
+        if old is not None and new is not None and _without_status(old) == _without_status(new):
+            return
+        for namespace, target in {_model_deployment_ref(o) for o in (old, new) if o is not None}:
+            if target:
+                self._spawn(namespace, target)
+
+    def key_secret_changed(self, old: Obj | None, new: Obj | None) -> None:
+        """A Secret labelled as a tenant's key changed (a rotation, a new key): reconcile the ModelDeployment
+        of each tenant it is (or was) marked for."""
+        for obj in (old, new):
+            if obj is None or self.config.reads is None:
+                continue
+            meta = obj["metadata"]
+            owner = (meta.get("labels") or {}).get(LABEL_TENANT)
+            tenant = self.config.reads.tenants.get(str(meta.get("namespace")), str(owner)) if owner else None
+            if tenant is not None:
+                namespace, target = _model_deployment_ref(tenant)
+                if target:
+                    self._spawn(namespace, target)
+
+    def _spawn(self, namespace: str, name: str) -> None:
+        task = asyncio.create_task(self.reconcile(namespace, name), name=f"reconcile-{namespace}/{name}")
+        self._spawned.add(task)
+        task.add_done_callback(self._reconciled)
+
+    def _reconciled(self, task: asyncio.Task[None]) -> None:
+        self._spawned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The resync timer tries again; a watched change must not end the operator.
+            log.error("reconcile %s failed: %s", task.get_name(), task.exception())
+
+    async def stop(self) -> None:
+        for task in list(self._spawned):
+            task.cancel()
+        await asyncio.gather(*self._spawned, return_exceptions=True)
+        if self.config.status_writer is not None:
+            await self.config.status_writer.stop()
+        if self.config.reads is not None:
+            await self.config.reads.tenants.stop()
+            await self.config.reads.key_secrets.stop()
+
+
+def _without_status(obj: Obj) -> Obj:
+    meta = {k: v for k, v in obj["metadata"].items() if k not in ("resourceVersion", "managedFields")}
+    return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+
+def _model_deployment_ref(tenant: Obj) -> tuple[str, str]:
+    spec = tenant.get("spec") or {}
+    return str(tenant["metadata"].get("namespace") or ""), str(
+        (spec.get("modelDeploymentRef") or {}).get("name") or ""
+    )
 
 
 def _state(memo: Any) -> OperatorState:
@@ -146,7 +233,11 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
     for kind in kinds.CHILD_KINDS:
         group, _sep, version = kind.api_version.rpartition("/")
         selector = Selector(group=group, version=version, plural=kind.plural)
-        settings.watching.label_selectors[selector] = OWNED_SELECTOR
+        # Generated API key Secrets are the tenants' (one each): the key Secrets' watch-fed copy sees them,
+        # kopf need not (``k8s/informer.py``).
+        settings.watching.label_selectors[selector] = (
+            f"{OWNED_SELECTOR},!{LABEL_API_KEY}" if kind == kinds.SECRET else OWNED_SELECTOR
+        )
     client = KubeClient(
         Credentials.discover(),
         observer=lambda verb: metrics.api_calls.labels(verb).inc(),
@@ -189,7 +280,31 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
     except BaseException:
         await client.__aexit__()  # kopf retries start-up: do not leak a session per attempt
         raise
-    memo["kvfleet"] = OperatorState(client, config)
+    state = OperatorState(client, config)
+    namespaces = config.watch_namespaces or (None,)
+    reads = WatchedReads(
+        tenants=Informer(client, kinds.TENANT, namespaces, on_change=state.tenant_changed),
+        key_secrets=Informer(
+            client, kinds.SECRET, namespaces, label_selector=LABEL_TENANT, on_change=state.key_secret_changed
+        ),
+    )
+    writer = StatusWriter(client, state.wrote, reads.tenants.get, hold_seconds=STATUS_HOLD_SECONDS)
+    state.config = dataclasses.replace(config, reads=reads, status_writer=writer)
+    reads.tenants.start()
+    reads.key_secrets.start()
+    writer.start()
+    try:
+        # Every reconcile reads these copies: none may start on half a namespace. kopf runs no handler
+        # before its start-up handlers are done.
+        await asyncio.wait_for(
+            asyncio.gather(reads.tenants.wait_synced(), reads.key_secrets.wait_synced()),
+            INFORMER_SYNC_SECONDS,
+        )
+    except BaseException:
+        await state.stop()
+        await client.__aexit__()
+        raise
+    memo["kvfleet"] = state
 
 
 def _identity(memo: Any) -> str:
@@ -229,6 +344,7 @@ def kopf_version() -> str:
 
 @kopf.on.cleanup()
 async def close(*, memo: Any, **_: Any) -> None:
+    await _state(memo).stop()
     await _state(memo).client.__aexit__()
 
 
@@ -243,20 +359,6 @@ async def resync(*, namespace: str | None, name: str, memo: Any, **_: Any) -> No
         await _state(memo).reconcile(str(namespace), name)
     except ApiError as exc:
         raise kopf.TemporaryError(f"API error during reconcile: {exc}", delay=5) from exc
-
-
-@kopf.on.event(group=GROUP, version=VERSION, plural="tenants")
-async def on_tenant(*, namespace: str | None, body: kopf.Body, type: str, memo: Any, **_: Any) -> None:
-    state = _state(memo)
-    uid = str(body.metadata.uid)
-    ref = str((body.spec.get("modelDeploymentRef") or {}).get("name") or "")
-    previous = state.tenant_refs.get(uid)
-    if type == "DELETED":
-        state.tenant_refs.pop(uid, None)
-    elif ref:
-        state.tenant_refs[uid] = ref
-    for target in {ref, previous} - {"", None}:
-        await state.reconcile(str(namespace), str(target))
 
 
 def _register_child_watch(kind: kinds.Kind) -> None:

@@ -19,6 +19,7 @@ condition that says why.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -63,10 +64,12 @@ from kvfleet_operator.build.tenant_table import (
     dedicated_pool_name,
 )
 from kvfleet_operator.handlers.faults import crash_point
+from kvfleet_operator.handlers.status_writer import StatusWriter
 from kvfleet_operator.k8s import kinds
 from kvfleet_operator.k8s.client import ApiError, KubeClient
 from kvfleet_operator.k8s.engine_metrics import EngineCapacityReader
 from kvfleet_operator.k8s.gateway_store import GatewayStoreProbe
+from kvfleet_operator.k8s.informer import Informer
 from kvfleet_operator.reconcile import status as st
 from kvfleet_operator.reconcile import steps
 from kvfleet_operator.reconcile.capacity import (
@@ -97,7 +100,26 @@ from kvfleet_operator.reconcile.plan import Action, compute_plan
 
 log = logging.getLogger(__name__)
 
+#: Generated key Secrets created at once by one reconcile.
+KEY_CREATES_AT_ONCE = 16
+
 Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WatchedReads:
+    """Watch-fed copies of what every reconcile reads (``k8s/informer.py``): the watched namespaces'
+    Tenants, and their Secrets labelled ``kvfleet.io/tenant`` (the only Secrets the operator reads).
+    The operator's own writes of those go into the copies as the API server answered them."""
+
+    tenants: Informer
+    key_secrets: Informer
+
+    async def list_tenants(self, namespace: str | None) -> list[Obj]:
+        return self.tenants.list(namespace)
+
+    async def list_key_secrets(self, namespace: str) -> list[Obj]:
+        return self.key_secrets.list(namespace)
 
 
 @dataclass(frozen=True)
@@ -137,6 +159,31 @@ class OperatorConfig:
     gateway_store: GatewayStore | None = None
     #: Asks that store whether it serves (``k8s/gateway_store.py``), for ``SharedStoreUnreachable``.
     gateway_store_probe: GatewayStoreProbe | None = None
+    #: Where Tenants and key Secrets are read: the operator's watch-fed copies; ``None``: a LIST per
+    #: reconcile (a reconcile run on its own, as the tests and tools do).
+    reads: WatchedReads | None = None
+    #: Who writes the Tenants' statuses (``handlers/status_writer.py``: newest only, a few at once);
+    #: ``None``: the reconcile writes them itself before it returns (tests, tools).
+    status_writer: StatusWriter | None = None
+
+    async def list_tenants(self, client: KubeClient, namespace: str | None) -> list[Obj]:
+        if self.reads is not None:
+            return await self.reads.list_tenants(namespace)
+        return await client.list(kinds.TENANT, namespace)
+
+    async def list_key_secrets(self, client: KubeClient, namespace: str) -> list[Obj]:
+        if self.reads is not None:
+            return await self.reads.list_key_secrets(namespace)
+        return await client.list(kinds.SECRET, namespace, label_selector=LABEL_TENANT)
+
+    def wrote(self, obj: Obj) -> None:
+        """An object the API server answered a write with, for the copies (a Tenant or a key Secret)."""
+        if self.reads is None:
+            return
+        if obj.get("kind") == kinds.TENANT.kind:
+            self.reads.tenants.observe(obj)
+        elif obj.get("kind") == kinds.SECRET.kind and LABEL_TENANT in (obj["metadata"].get("labels") or {}):
+            self.reads.key_secrets.observe(obj)
 
 
 @dataclass
@@ -214,7 +261,7 @@ async def read_model_deployment(client: KubeClient, c: Cycle) -> None:
 
 
 async def read_tenants(client: KubeClient, c: Cycle) -> None:
-    listed = await client.list(kinds.TENANT, c.namespace)
+    listed = await c.config.list_tenants(client, c.namespace)
     c.tenant_uids = {str(t["metadata"].get("uid") or "") for t in listed} - {""}
     c.raw_tenants = steps.select_tenants(listed, c.name)
 
@@ -251,7 +298,7 @@ async def read_secrets(client: KubeClient, c: Cycle) -> None:
     the operator never reads another Secret's data; RBAC cannot say so, the selector does). One LIST
     instead of a GET per tenant: a ModelDeployment may have hundreds of tenants."""
     if c.raw_tenants:
-        listed = await client.list(kinds.SECRET, c.namespace, label_selector=LABEL_TENANT)
+        listed = await c.config.list_key_secrets(client, c.namespace)
         c.secrets = {str(s["metadata"]["name"]): s for s in listed}
 
 
@@ -269,7 +316,7 @@ async def claim_gpu_groups(client: KubeClient, c: Cycle) -> None:
         return  # only a ModelDeployment with a dedicated tenant needs the cluster-wide view
     listed: list[Obj] = []
     for namespace in c.config.watch_namespaces or (None,):
-        listed += await client.list(kinds.TENANT, namespace)
+        listed += await c.config.list_tenants(client, namespace)
     bindings = c.config.gpu_group_owners
     running: list[str] = []
     for t in c.tenants:  # only on an unbound group (an upgrade): does its pool run already?
@@ -343,29 +390,40 @@ async def admit(client: KubeClient, c: Cycle) -> None:
 
 
 async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
-    """A generated key Secret for each admitted tenant that has none; created once, never overwritten."""
+    """A generated key Secret for each admitted tenant that has none; created once, never overwritten.
+    The first alone, the others :data:`KEY_CREATES_AT_ONCE` at a time (a pool starting with hundreds of
+    tenants would otherwise wait for hundreds of round trips one after another)."""
     if c.refused:
         return
     by_name = {str(t.metadata["name"]): t for t in c.tenants}
-    for i, name in enumerate(steps.keys_to_generate(c.keys, c.decisions)):
-        if i:
-            crash_point("between-key-secrets")
+    names = steps.keys_to_generate(c.keys, c.decisions)
+    slots = asyncio.Semaphore(KEY_CREATES_AT_ONCE)
+
+    async def generate(name: str) -> None:
         tenant = by_name[name]
         body = build_api_key_secret(tenant, c.keys[name].secret_name, new_api_key())
-        try:
-            # Create, never apply: a Secret of that name that exists already (unlabelled, so not listed)
-            # is someone's, and is read below, never written (``reconcile/ownership.py``).
-            secret: Obj | None = await client.create(kinds.SECRET, body)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
-            secret = await client.get(kinds.SECRET, c.keys[name].secret_name, c.namespace)
+        async with slots:
+            try:
+                # Create, never apply: a Secret of that name that exists already (unlabelled, so not
+                # listed) is someone's, and is read below, never written (``reconcile/ownership.py``).
+                secret: Obj | None = await client.create(kinds.SECRET, body)
+                c.config.wrote(secret or {})
+            except ApiError as exc:
+                if not exc.conflict:
+                    raise
+                secret = await client.get(kinds.SECRET, c.keys[name].secret_name, c.namespace)
         resolution = c.keys[name] = resolve_api_key_hashes(tenant, secret or {})
         if resolution.reason is not None:  # a Secret of that name existed, and may not be its key
             c.tenant_problems[name] = st.problem(resolution.reason, resolution.message or "")
             c.tenants.remove(tenant)
             c.key_refused.append(tenant)
             c.decisions = [d for d in c.decisions if d.name != name]
+
+    if names:
+        await generate(names[0])
+    if len(names) > 1:
+        crash_point("between-key-secrets")
+        await asyncio.gather(*(generate(name) for name in names[1:]))
 
 
 async def read_children(client: KubeClient, c: Cycle) -> None:
@@ -594,10 +652,20 @@ async def check_gateway_store(client: KubeClient, c: Cycle) -> None:
 
 async def write_status(client: KubeClient, c: Cycle) -> None:
     """Only statuses that change something; an Event when Ready flips or changes reason, or when the
-    object becomes degraded for another reason (``status.compute_events``)."""
+    object becomes degraded for another reason (``status.compute_events``). A tenant's Events of its pool
+    (it became Ready, it waits for the ModelDeployment) are told in one Event per kind on the
+    ModelDeployment (``status.compute_tenant_summary_events``). With a ``status_writer`` (the operator),
+    the tenants' statuses go to it; the ModelDeployment's is written here."""
+    told: list[Obj] = []
+    writer = c.config.status_writer
     for write in c.status_writes:
-        if write.changed:
-            await _write_status(client, write)
+        if writer is not None and write.kind == kinds.TENANT:
+            writer.submit(write, c.raw_md)  # unchanged too: it cancels an older status that waits
+        elif write.changed:
+            told += await _write_status(client, c.config, write, summarized=c.raw_md is not None)
+    if told and c.raw_md is not None:
+        for event in st.compute_tenant_summary_events(c.raw_md, told, c.now):
+            await client.create_event(c.namespace, event)
 
 
 #: The work, in order. A step that sets ``Cycle.finished`` ends it.
@@ -661,18 +729,27 @@ async def _reconcile(
     return cycle.result
 
 
-async def _write_status(client: KubeClient, write: st.StatusWrite) -> None:
+async def _write_status(
+    client: KubeClient, config: OperatorConfig, write: st.StatusWrite, *, summarized: bool
+) -> list[Obj]:
+    """Write one status and its Events; with ``summarized``, a Tenant's Events of its pool are returned
+    instead, for the ModelDeployment's summary (``status.told_on_model_deployment``)."""
     meta = write.raw["metadata"]
     try:
-        await client.apply_status(write.kind, meta["name"], meta.get("namespace"), write.status)
+        config.wrote(await client.apply_status(write.kind, meta["name"], meta.get("namespace"), write.status))
     except ApiError as exc:
         if exc.not_found:  # deleted meanwhile: nothing to report on
-            return
+            return []
         raise
+    told: list[Obj] = []
     for event in st.compute_events(
         write.raw, (write.raw.get("status") or {}).get("conditions"), write.status.get("conditions")
     ):
-        await client.create_event(str(meta.get("namespace")), event)
+        if summarized and write.kind == kinds.TENANT and st.told_on_model_deployment(event):
+            told.append(event)
+        else:
+            await client.create_event(str(meta.get("namespace")), event)
+    return told
 
 
 async def load_salt_master(client: KubeClient, ref: str) -> bytes:

@@ -9,12 +9,13 @@ reconcile mutates nothing.
 from __future__ import annotations
 
 import base64
+import builtins
 import json
 import os
 import ssl
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -133,6 +134,14 @@ class Credentials:
         return ctx
 
 
+def _typed_items(payload: Obj, kind: Kind) -> list[Obj]:
+    items: list[Obj] = payload.get("items", [])
+    for item in items:  # list items carry no apiVersion/kind; restore them for uniform handling
+        item.setdefault("apiVersion", kind.api_version)
+        item.setdefault("kind", kind.kind)
+    return items
+
+
 @dataclass
 class KubeClient:
     """Async CRUD + server-side apply for the kinds in ``kinds.py``. Use as an async context manager."""
@@ -206,11 +215,67 @@ class KubeClient:
     ) -> list[Obj]:
         params = {"labelSelector": label_selector} if label_selector else None
         payload = await self._request("list", "GET", kind.path(namespace), params=params)
-        items: list[Obj] = payload.get("items", [])
-        for item in items:  # list items carry no apiVersion/kind; restore them for uniform handling
-            item.setdefault("apiVersion", kind.api_version)
-            item.setdefault("kind", kind.kind)
-        return items
+        return _typed_items(payload, kind)
+
+    async def list_versioned(
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        page: int | None = None,
+    ) -> tuple[builtins.list[Obj], str]:
+        """The objects and the list's ``resourceVersion`` (where a watch of them starts); with ``page``, in
+        pages of that many (one consistent snapshot), so that a large list never sits in memory twice as
+        text and objects."""
+        params = {"labelSelector": label_selector} if label_selector else {}
+        if page is not None:
+            params["limit"] = str(page)
+        items: builtins.list[Obj] = []
+        version = ""
+        while True:
+            payload = await self._request("list", "GET", kind.path(namespace), params=params or None)
+            items += _typed_items(payload, kind)
+            meta = payload.get("metadata") or {}
+            version = version or str(meta.get("resourceVersion") or "")
+            if not meta.get("continue"):
+                return items, version
+            params["continue"] = str(meta["continue"])
+
+    async def watch(
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        resource_version: str,
+        timeout_seconds: int,
+    ) -> AsyncIterator[Obj]:
+        """The watch events (``{"type": ..., "object": ...}``) of ``kind`` from ``resource_version`` on, with
+        bookmarks, until the API server ends the watch (after ``timeout_seconds``)."""
+        if self._session is None:
+            raise RuntimeError("KubeClient used outside 'async with'")
+        self.calls["watch"] += 1
+        if self.observer is not None:
+            self.observer("watch")
+        params = {
+            "watch": "true",
+            "allowWatchBookmarks": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(timeout_seconds),
+        } | ({"labelSelector": label_selector} if label_selector else {})
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout_seconds + 30)
+        async with self._session.get(kind.path(namespace), params=params, timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = await resp.text()
+                raise ApiError(resp.status, str(resp.reason), text)
+            pending = b""
+            async for chunk in resp.content.iter_any():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
 
     async def apply(self, kind: Kind, obj: Obj, *, force: bool = True) -> Obj:
         """Server-side apply ``obj`` with the operator's field manager."""

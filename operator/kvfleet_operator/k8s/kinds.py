@@ -76,6 +76,9 @@ MONITORING_KINDS: tuple[Kind, ...] = (SERVICE_MONITOR, POD_MONITOR)
 EXPOSURE_KINDS: tuple[Kind, ...] = (INGRESS, HTTP_ROUTE, INFERENCE_POOL)
 
 BY_API_KIND: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in CHILD_KINDS}
+#: The kinds the operator keeps watch-fed copies of (``k8s/informer.py``): Tenants, and Secrets labelled as
+#: a tenant's key (never any other Secret).
+INFORMED_KINDS: tuple[Kind, ...] = (TENANT, SECRET)
 
 
 def kind_of(obj: dict[str, object]) -> Kind:

@@ -55,6 +55,25 @@ def merge_conditions(
     return sorted(by_type.values(), key=lambda c: (order.get(c["type"], 9), c["type"]))
 
 
+def rebase_conditions(
+    conditions: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """``conditions`` (computed by :func:`merge_conditions` from an older read) as if merged onto ``base``
+    (what the object holds now): a condition whose status did not flip against ``base`` keeps ``base``'s
+    ``lastTransitionTime``."""
+    by_type = {c["type"]: c for c in base or []}
+    out = []
+    for condition in conditions:
+        old = by_type.get(condition["type"])
+        kept = (
+            old is not None and old.get("status") == condition.get("status") and "lastTransitionTime" in old
+        )
+        out.append(
+            {**condition, "lastTransitionTime": old["lastTransitionTime"]} if kept and old else condition
+        )
+    return out
+
+
 def ready(reason: str, message: str) -> list[ConditionUpdate]:
     return [
         ConditionUpdate(READY, "True", reason, message),

@@ -576,6 +576,66 @@ def compute_events(obj: Obj, before: Sequence[Obj] | None, after: Sequence[Obj] 
     return events
 
 
+def is_waiting_for_pool(status: Obj) -> bool:
+    """Whether a Tenant ``status`` says only that the tenant waits for its pool: ``Ready`` not true for
+    ``ModelDeploymentNotReady`` while ``Progressing``, nothing degraded. Such a status may be held a few
+    seconds in case the pool gets ready (``handlers/status_writer.py``)."""
+    conditions = status.get("conditions")
+    ready = _ready(conditions)
+    return (
+        ready.get("status") != "True"
+        and ready.get("reason") == reasons.MODEL_DEPLOYMENT_NOT_READY
+        and _condition(conditions, "Progressing").get("status") == "True"
+        and _condition(conditions, DEGRADED).get("status") != "True"
+    )
+
+
+#: Events on a ModelDeployment telling, once per reconcile, what its tenants' Events of their pool would
+#: tell one by one (:func:`told_on_model_deployment`): which tenants became Ready, which wait for it.
+TENANTS_READY = "TenantsReady"
+TENANTS_WAITING = "TenantsWaiting"
+#: Tenants a summary Event names before it says how many more.
+SUMMARY_NAMES = 20
+
+
+def told_on_model_deployment(event: Obj) -> bool:
+    """Whether a Tenant's Event is news of its pool rather than of the tenant: it became Ready (a Normal
+    Event) or it waits for its ModelDeployment (``ModelDeploymentNotReady``). Those are told once per
+    reconcile on the ModelDeployment (:func:`compute_tenant_summary_events`): ten thousand tenants starting
+    with their pools must not write ten thousand Events each time. A tenant's own problems (a quota or a
+    key refused, a GPU group in use) stay Warnings on the tenant."""
+    return event.get("type") == "Normal" or event.get("reason") == reasons.MODEL_DEPLOYMENT_NOT_READY
+
+
+def compute_tenant_summary_events(raw_md: Obj, told: Sequence[Obj], now: str) -> list[Obj]:
+    """At most two Events on the ModelDeployment ``raw_md`` for the tenant Events ``told`` (those
+    :func:`told_on_model_deployment` keeps off the tenants), naming the tenants: ``TenantsReady`` and
+    ``TenantsWaiting``."""
+    groups = {
+        TENANTS_READY: sorted(
+            str(e["involvedObject"]["name"])
+            for e in told
+            if e.get("reason") != reasons.MODEL_DEPLOYMENT_NOT_READY
+        ),
+        TENANTS_WAITING: sorted(
+            str(e["involvedObject"]["name"])
+            for e in told
+            if e.get("reason") == reasons.MODEL_DEPLOYMENT_NOT_READY
+        ),
+    }
+    what = {TENANTS_READY: "became Ready", TENANTS_WAITING: "wait for this ModelDeployment's pools"}
+    events = []
+    for reason, names in groups.items():
+        if not names:
+            continue
+        shown = ", ".join(names[:SUMMARY_NAMES])
+        more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
+        message = f"{len(names)} tenant(s) {what[reason]}: {shown}{more}."
+        condition = {"reason": reason, "message": message, "lastTransitionTime": now}
+        events.append(_event(raw_md, condition, warning=False))
+    return events
+
+
 def status_changed(current: Obj | None, desired: Obj, model: type[CrdModel]) -> bool:
     """Whether writing ``desired`` would change anything (so a converged object is not written).
 
