@@ -196,6 +196,7 @@ allowlist from the operator's API calls and fails on anything more):
 | networking.k8s.io | ingresses (`rbac.ingress`, off by default) | list, create, patch, delete |
 | gateway.networking.k8s.io | httproutes (`rbac.httpRoute`, off by default) | list, create, patch, delete |
 | inference.networking.k8s.io | inferencepools (`rbac.inferencePool`, off) | list, create, patch, delete |
+| keda.sh | scaledobjects (`rbac.keda`, off) | list, create, patch, delete |
 | core | events | create |
 | core | secrets: `<release>-salt-master` in the release namespace | get, create, patch (that name only) |
 | coordination.k8s.io | leases: `<release>-leader`, release namespace | get, update (that name only), create |

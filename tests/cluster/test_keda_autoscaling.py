@@ -7,12 +7,13 @@ KEDA's metrics API server, registered with the API server's aggregator for ``ext
 the HPA KEDA created, evaluated by kube-controller-manager's HPA controller → the ModelDeployment's scale
 subresource (``spec.pool.replicas``) → the operator's reconcile → the engine StatefulSet. Nothing in it is
 mocked: KEDA v2.21.0 built from its Go module (``hack/build-cluster.sh``, step ``keda``), started by the
-``keda`` fixture (:mod:`devcluster.keda`). The operator does not apply the ScaledObject itself yet: the test
-applies what it renders.
+``keda`` fixture (:mod:`devcluster.keda`). The operator's reconcile creates the ScaledObject once it may
+manage scaledobjects (the chart's ``rbac.keda``); before, it says ``AutoscalingUnavailable``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,12 +22,13 @@ from cluster_helpers import apply_crds, scratch_namespace, wait_for
 from devcluster import ControlPlane, PrometheusServer
 from devcluster.keda import Keda
 from prometheus_client import start_http_server
-from test_operator_reconcile import create, get, load_example, reconcile
+from test_operator_reconcile import CONFIG, create, get, load_example, reconcile
 
 from factories import free_port
 from kvfleet_operator.api.modeldeployment import ModelDeployment
 from kvfleet_operator.build.autoscaling import build_scaled_object
 from kvfleet_operator.build.common import owner_of
+from kvfleet_operator.k8s import kinds
 from kvfleet_runtime.gateway.metrics import GatewayMetrics
 
 pytestmark = pytest.mark.cluster
@@ -38,6 +40,8 @@ PREMIUM_PER_REPLICA = 4
 #: How long a step of the chain may take on a loaded 2-core machine: Prometheus scrapes every second, KEDA
 #: polls every 2 s, the HPA controller evaluates every 3 s (devcluster.cluster.HPA_SYNC_PERIOD_S).
 STEP_S = 90
+#: The operator as the chart runs it with rbac.keda=true (KVFLEET_EXPOSURE_KINDS=ScaledObject).
+KEDA_RIGHTS = dataclasses.replace(CONFIG, exposure=(kinds.SCALED_OBJECT,))
 
 
 @pytest.fixture
@@ -116,9 +120,17 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         doc["spec"]["pool"]["replicas"] = 1
         doc["spec"]["pool"]["autoscaling"] = autoscaling(prom.url)
         create(full_cluster, doc)  # the real API server's schema and CEL rules accept the field
+        # Without rights on scaledobjects: served at spec.pool.replicas, and the status says why not scaled.
         result, _ = reconcile(full_cluster, ns, MD)
         assert not result.problem, result.problem
+        degraded = _condition(get(full_cluster, md_path), "Degraded")
+        assert degraded.get("reason") == "AutoscalingUnavailable", degraded
+        assert "rbac.keda=true" in degraded["message"], degraded
+        # With them (and KEDA serving keda.sh/v1alpha1): the reconcile creates the ScaledObject.
+        result, _ = reconcile(full_cluster, ns, MD, KEDA_RIGHTS)
+        assert not result.problem, result.problem
         md = get(full_cluster, md_path)
+        assert _condition(md, "Degraded").get("reason") != "AutoscalingUnavailable", md["status"]
         # The scale subresource the HPA reads: replicas and the engine pods' selector, from the status.
         assert md["status"]["replicas"] == 1 and md["status"]["selector"], md["status"]
 
@@ -134,11 +146,10 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
             timeout=STEP_S,
             what="the premium queue in Prometheus under the rendered selector",
         )
-        status, body = full_cluster.request(
-            "POST", f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects", so
-        )
-        assert status == 201, body
         so_path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/{so['metadata']['name']}"
+        live = get(full_cluster, so_path)  # created by the reconcile, as rendered
+        assert live["spec"]["triggers"] == so["spec"]["triggers"], live["spec"]
+        assert live["metadata"]["ownerReferences"][0]["uid"] == md["metadata"]["uid"]
         hpa_path = f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers/keda-hpa-{MD}-engine"
 
         def hpa() -> dict[str, Any] | None:
@@ -200,8 +211,8 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
             what="the ScaledObject Active",
         )
 
-        # The operator turns the new spec into a second engine replica.
-        result, _ = reconcile(full_cluster, ns, MD)
+        # The operator turns the new spec into a second engine replica (and keeps its ScaledObject as is).
+        result, _ = reconcile(full_cluster, ns, MD, KEDA_RIGHTS)
         assert not result.problem, result.problem
         sts = get(full_cluster, f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-engine")
         assert sts["spec"]["replicas"] == 2

@@ -474,16 +474,25 @@ def test_a_user_who_may_not_create_pods_may_not_create_a_model_deployment(team: 
             "inferencepools",
             id="inferencepool",
         ),
+        pytest.param(
+            {"autoscaling": {"enabled": True, "prometheusAddress": "http://attacker.example:9090"}},
+            "keda.sh",
+            "scaledobjects",
+            id="autoscaling",
+        ),
     ],
 )
 def test_exposure_needs_the_users_own_right_on_what_it_creates(
     team: Team, exposure: dict[str, Any], group: str, resource: str
 ) -> None:
-    """Attack: a user who may create pods but not Services, Ingresses, HTTPRoutes or InferencePools asks
-    the operator for a load balancer, Service annotations, an Ingress, an HTTPRoute or an InferencePool.
-    Refused naming the resource; with the right granted, admitted."""
+    """Attack: a user who may create pods but not Services, Ingresses, HTTPRoutes, InferencePools or KEDA
+    ScaledObjects asks the operator for a load balancer, Service annotations, an Ingress, an HTTPRoute, an
+    InferencePool or autoscaling (KEDA would query the Prometheus address he names, with KEDA's network
+    reach). Refused naming the resource; with the right granted, admitted."""
     doc = _tiny(team.namespace, f"x-{resource}")
-    if "inferencePool" in exposure:
+    if "autoscaling" in exposure:
+        doc = _set(doc, "pool.autoscaling", copy.deepcopy(exposure["autoscaling"]))
+    elif "inferencePool" in exposure:
         doc = _set(doc, "gateway.inferencePool", copy.deepcopy(exposure["inferencePool"]))
     else:
         doc = _set(doc, "gateway.exposure", copy.deepcopy(exposure))

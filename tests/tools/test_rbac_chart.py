@@ -54,6 +54,8 @@ SCOPES = {
         "rbac.httpRoute=true",
         "--set",
         "rbac.inferencePool=true",
+        "--set",
+        "rbac.keda=true",
     ),
 }
 
@@ -238,13 +240,15 @@ def test_leader_election_reads_and_renews_its_lease_by_name_only(args: tuple[str
             "InferencePool",
             id="inference-pool",
         ),
-        pytest.param(SCOPES["exposure"], EXPOSURE, "Ingress,HTTPRoute,InferencePool", id="all"),
+        pytest.param(("--set", "rbac.keda=true"), {("keda.sh", "scaledobjects")}, "ScaledObject", id="keda"),
+        pytest.param(SCOPES["exposure"], EXPOSURE, "Ingress,HTTPRoute,InferencePool,ScaledObject", id="all"),
     ],
 )
 def test_exposure_rights_only_when_enabled_and_the_operator_is_told(
     args: tuple[str, ...], granted: set[tuple[str, str]], env: str
 ) -> None:
-    """Least privilege: no right on Ingresses, HTTPRoutes or InferencePools unless the chart value asks;
+    """Least privilege: no right on Ingresses, HTTPRoutes, InferencePools or KEDA ScaledObjects unless the
+    chart value asks;
     the operator learns which it may manage from KVFLEET_EXPOSURE_KINDS (it never lists a kind it has no
     right to), and nothing watches them (the verbs are get, list, create, patch, delete; get: whose an
     object of the name is, before any write)."""

@@ -122,6 +122,12 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
   resources: ["inferencepools"]
   verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.rbac.keda }}
+# KEDA ScaledObjects scaling the shared pool (spec.pool.autoscaling); not watched either.
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+{{- end }}
 # Engine pods: listed (by the engine label) to read each ready one's KV blocks on its metrics port, and
 # deleted (grace period 0, uid precondition) only when one was evicted from a lost node and is stuck
 # Terminating (spec.pool.nodeLoss; never a pod whose node is Ready).
@@ -147,6 +153,7 @@ is authorized as create, so the applied kinds need create and patch; no kind nee
 {{- if .Values.rbac.ingress }}{{ $kinds = append $kinds "Ingress" }}{{ end -}}
 {{- if .Values.rbac.httpRoute }}{{ $kinds = append $kinds "HTTPRoute" }}{{ end -}}
 {{- if .Values.rbac.inferencePool }}{{ $kinds = append $kinds "InferencePool" }}{{ end -}}
+{{- if .Values.rbac.keda }}{{ $kinds = append $kinds "ScaledObject" }}{{ end -}}
 {{- join "," $kinds -}}
 {{- end -}}
 

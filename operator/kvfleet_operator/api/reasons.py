@@ -98,6 +98,12 @@ figure; tenants admitted before keep theirs (sticky), and the message says wheth
 fit. Raise ``spec.pool.reservePerGpu`` so the estimate matches (the message gives the blocks), or lower
 quotas that no longer fit."""
 
+AUTOSCALING_UNAVAILABLE: Final = "AutoscalingUnavailable"
+"""ModelDeployment (``Degraded``; still serving): ``spec.pool.autoscaling`` asks for a KEDA ScaledObject, but
+the chart grants the operator no rights on scaledobjects (``rbac.keda``) or the cluster runs no KEDA
+(keda.sh/v1alpha1 is not served); the message says which. Nothing scales the pool meanwhile:
+``spec.pool.replicas`` is what runs."""
+
 SHARED_STORE_UNREACHABLE: Final = "SharedStoreUnreachable"
 """ModelDeployment (``Degraded``; still serving): the gateways' shared store (the chart's
 ``gatewaySharedStore``) does not answer the operator, or refuses its password (the message says which), so
@@ -154,6 +160,7 @@ CONDITION_REASONS: Final = (
     CAPACITY_UNKNOWN,
     CAPACITY_BELOW_PLAN,
     SHARED_STORE_UNREACHABLE,
+    AUTOSCALING_UNAVAILABLE,
     NO_MATCHING_NODES,
     GUARDRAIL_REFUSED,
     EXPOSURE_UNAVAILABLE,

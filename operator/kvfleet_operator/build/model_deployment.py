@@ -13,6 +13,7 @@ from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.common import GPU_GROUP_LABEL
 from kvfleet_operator.api.modeldeployment import DataPlane, Routing
 from kvfleet_operator.api.units import parse_duration, parse_quantity
+from kvfleet_operator.build.autoscaling import build_scaled_object
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     KEY_FILE_KEY,
@@ -350,4 +351,8 @@ def build_desired_children(
             *([build_epp_service_monitor(gateway)] if runs_epp else []),
             build_engine_pod_monitor(namespace, name, owner_of(md)),
         ]
+    # KEDA's ScaledObject for the shared pool (withheld, with a condition, where the chart grants no
+    # rights on it or the cluster runs no KEDA: reconcile.steps.withhold_exposure).
+    if (scaled := build_scaled_object(namespace, name, md.spec.pool.autoscaling, owner_of(md))) is not None:
+        children.append(scaled)
     return children

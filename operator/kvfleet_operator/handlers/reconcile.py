@@ -635,11 +635,12 @@ async def compute_status(client: KubeClient, c: Cycle) -> None:
         c.now,
         c.keys,
         steps.compute_placement(c.desired, c.nodes, c.decisions),
-        " ".join(c.withheld.values()) or None,
+        " ".join(v for k, v in c.withheld.items() if k != kinds.SCALED_OBJECT.kind) or None,
         c.engine,
         _capacity_note(c),
         c.tenant_warnings,
         c.store_note,
+        c.withheld.get(kinds.SCALED_OBJECT.kind),
     )
 
 

@@ -46,6 +46,8 @@ HTTP_ROUTE = Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes")
 INFERENCE_POOL = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors")
+#: KEDA's autoscaler of the shared pool (``spec.pool.autoscaling``): it scales the ModelDeployment itself.
+SCALED_OBJECT = Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects")
 #: The operator's leader-election Lease (``k8s/leader.py``), in its own namespace: never a child.
 LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 
@@ -64,16 +66,17 @@ CHILD_KINDS: tuple[Kind, ...] = (
     INFERENCE_POOL,
     SERVICE_MONITOR,
     POD_MONITOR,
+    SCALED_OBJECT,
 )
 #: Children of optional APIs: listed only where the cluster serves them (checked at start-up), never
 #: watched (the periodic reconcile covers them).
 MONITORING_KINDS: tuple[Kind, ...] = (SERVICE_MONITOR, POD_MONITOR)
 #: Children that expose the gateway or the pools outside the ModelDeployment (``spec.gateway.exposure``,
-#: ``spec.gateway.inferencePool``): managed only where the chart grants their rights (``rbac.ingress``,
-#: ``rbac.httpRoute``, ``rbac.inferencePool``; ``KVFLEET_EXPOSURE_KINDS``), left out with a condition where
-#: the cluster does not serve their API, never watched (the periodic reconcile covers them; the Services
-#: they route to are watched).
-EXPOSURE_KINDS: tuple[Kind, ...] = (INGRESS, HTTP_ROUTE, INFERENCE_POOL)
+#: ``spec.gateway.inferencePool``), or hand its scale to KEDA (``spec.pool.autoscaling``): managed only
+#: where the chart grants their rights (``rbac.ingress``, ``rbac.httpRoute``, ``rbac.inferencePool``,
+#: ``rbac.keda``; ``KVFLEET_EXPOSURE_KINDS``), left out with a condition where the cluster does not serve
+#: their API, never watched (the periodic reconcile covers them; the Services they route to are watched).
+EXPOSURE_KINDS: tuple[Kind, ...] = (INGRESS, HTTP_ROUTE, INFERENCE_POOL, SCALED_OBJECT)
 
 BY_API_KIND: dict[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 #: The kinds the operator keeps watch-fed copies of (``k8s/informer.py``): Tenants, and Secrets labelled as
@@ -90,8 +93,8 @@ def kind_of(obj: dict[str, object]) -> Kind:
 
 def parse_exposure_kinds(text: str | None) -> tuple[Kind, ...]:
     """The exposure kinds named in ``KVFLEET_EXPOSURE_KINDS`` (comma-separated ``Ingress``, ``HTTPRoute``,
-    ``InferencePool``; empty or ``None``: none). Raises ``ValueError`` naming an unknown kind: never a right
-    nobody asked for nor a silently ignored one."""
+    ``InferencePool``, ``ScaledObject``; empty or ``None``: none). Raises ``ValueError`` naming an unknown
+    kind: never a right nobody asked for nor a silently ignored one."""
     by_name = {k.kind: k for k in EXPOSURE_KINDS}
     out: list[Kind] = []
     for name in (n.strip() for n in (text or "").split(",")):

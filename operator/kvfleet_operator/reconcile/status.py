@@ -165,6 +165,7 @@ def compute_model_deployment_status(
     capacity_note: str | None = None,
     shared_tier: WorkloadReadiness | None = None,
     store_note: str | None = None,
+    autoscaling_note: str | None = None,
 ) -> Obj:
     """The whole status of ``md`` as it goes on the wire (camelCase). ``placement``: why no node can run
     the shared pool's engine pods (``placement.compute_placement_problems``), reported while they are not
@@ -175,7 +176,8 @@ def compute_model_deployment_status(
     the engines hold fewer blocks than planned (``CapacityBelowPlan``, ``Degraded`` like ``exposure``);
     ``shared_tier``: the shared KV tier's server, when there is one (``Ready`` waits for it too);
     ``store_note``: why the gateways' shared store does not serve (``SharedStoreUnreachable``, ``Degraded``
-    like ``exposure``: the gateways fall back to their static shares)."""
+    like ``exposure``: the gateways fall back to their static shares); ``autoscaling_note``: why the KEDA
+    ScaledObject ``spec.pool.autoscaling`` asks for is not created (``AutoscalingUnavailable``, the same)."""
     generation = int(md.metadata.get("generation", 0))
     current = md.status.model_dump(by_alias=True, mode="json")["conditions"] if md.status else []
     name = str(md.metadata["name"])
@@ -204,6 +206,12 @@ def compute_model_deployment_status(
         updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
         if not any(u.type == DEGRADED for u in updates):
             updates.append(ConditionUpdate(DEGRADED, "True", reasons.SHARED_STORE_UNREACHABLE, store_note))
+    if autoscaling_note is not None and problem is None:
+        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
+        if not any(u.type == DEGRADED for u in updates):
+            updates.append(
+                ConditionUpdate(DEGRADED, "True", reasons.AUTOSCALING_UNAVAILABLE, autoscaling_note)
+            )
     status = ModelDeploymentStatus(
         conditions=merge_conditions(current, updates, generation, now),
         observed_generation=generation,
@@ -442,13 +450,15 @@ def compute_served_statuses(
     capacity_note: str | None = None,
     tenant_warnings: Mapping[str, ConditionUpdate] | None = None,
     store_note: str | None = None,
+    autoscaling_note: str | None = None,
 ) -> list[StatusWrite]:
     """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
     ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
     ``placement``: pool -> why no node can run its engine pods (``NoMatchingNodes`` on the
     ModelDeployment for the shared pool, on the owning Tenant for a dedicated one). ``exposure``: why the
     Ingress or HTTPRoute is not created (``ExposureUnavailable`` on the ModelDeployment). ``engine``,
-    ``capacity_note`` and ``store_note``: see :func:`compute_model_deployment_status`. ``tenant_warnings``:
+    ``capacity_note``, ``store_note`` and ``autoscaling_note``: see :func:`compute_model_deployment_status`.
+    ``tenant_warnings``:
     tenant -> its ``Degraded`` condition while it is served (:func:`compute_tenant_status`'s ``warning``).
 
     A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
@@ -481,6 +491,7 @@ def compute_served_statuses(
                 capacity_note,
                 shared_tier_readiness(md, children),
                 store_note,
+                autoscaling_note,
             ),
         )
     ]

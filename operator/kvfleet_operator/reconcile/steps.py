@@ -169,6 +169,7 @@ _EXPOSURE_SOURCES = {
     kinds.INGRESS: ("spec.gateway.exposure.ingress", "rbac.ingress"),
     kinds.HTTP_ROUTE: ("spec.gateway.exposure.httpRoute", "rbac.httpRoute"),
     kinds.INFERENCE_POOL: ("spec.gateway.inferencePool", "rbac.inferencePool"),
+    kinds.SCALED_OBJECT: ("spec.pool.autoscaling", "rbac.keda"),
 }
 #: What to install where the cluster does not serve a kind.
 _INSTALL = {
@@ -177,12 +178,14 @@ _INSTALL = {
     kinds.INFERENCE_POOL: "the Gateway API Inference Extension's InferencePool CRD (kubectl apply -f "
     "https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/v1.5.0/"
     "manifests.yaml) and a gateway that supports it",
+    kinds.SCALED_OBJECT: "KEDA (v2.21 or later; docs/operations.md, Autoscaling)",
 }
 _UNTIL = "Until then the gateway is reachable in the cluster only (status.endpoint)."
 #: What holds until a kind is created, where it is not ``_UNTIL``.
 _UNTIL_KIND = {
     kinds.INFERENCE_POOL: "Until then no InferencePool is created, no NetworkPolicy admits the platform "
     "gateway's pods, and an HTTPRoute goes to the gateway Service.",
+    kinds.SCALED_OBJECT: "Until then nothing scales the pool: spec.pool.replicas is what runs.",
 }
 
 
@@ -202,15 +205,16 @@ def withhold_exposure(
             continue
         field, value = _EXPOSURE_SOURCES[kind]
         until = _UNTIL_KIND.get(kind, _UNTIL)
+        article = "an" if kind.kind[0] in "AEIOU" else "a"
         if kind not in managed:
             why[kind.kind] = (
-                f"{field} asks for an {kind.kind}, but this operator may not manage {kind.plural}: "
+                f"{field} asks for {article} {kind.kind}, but this operator may not manage {kind.plural}: "
                 f"install the chart with {value}=true. {until}"
             )
         else:
             why[kind.kind] = (
-                f"{field} asks for an {kind.kind}, but the cluster does not serve {kind.api_version}: "
-                f"install {_INSTALL[kind]}. {until}"
+                f"{field} asks for {article} {kind.kind}, but the cluster does not serve "
+                f"{kind.api_version}: install {_INSTALL[kind]}. {until}"
             )
     return kept, why
 
