@@ -102,7 +102,8 @@ def iter_crd_documents() -> Iterator[dict[str, Any]]:
 
 
 def apply_crds(plane: ControlPlane) -> list[str]:
-    """Server-side apply every CRD in crds/ exactly as written; returns their names once Established."""
+    """Server-side apply every CRD in crds/ exactly as written; returns their names once Established and
+    their resources are served."""
     names = []
     for doc in iter_crd_documents():
         name = doc["metadata"]["name"]
@@ -117,6 +118,13 @@ def apply_crds(plane: ControlPlane) -> list[str]:
         names.append(name)
     for name in names:
         wait_for(lambda name=name: crd_established(plane, name), what=f"CRD {name} Established")
+    # A CRD just (re)applied answers 429 "storage is (re)initializing" for a moment after Established.
+    for doc in iter_crd_documents():
+        group, plural = doc["spec"]["group"], doc["spec"]["names"]["plural"]
+        served = [v["name"] for v in doc["spec"]["versions"] if v.get("served")]
+        for version in served:
+            path = f"/apis/{group}/{version}/{plural}?limit=1"
+            wait_for(lambda path=path: plane.request("GET", path)[0] == 200, what=f"{path} served")
     return names
 
 

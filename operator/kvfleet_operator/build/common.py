@@ -22,6 +22,9 @@ LABEL_TENANT = "kvfleet.io/tenant"
 LABEL_API_KEY = "kvfleet.io/api-key"
 #: Pods (in any namespace) carrying this label may scrape engine metrics ports.
 LABEL_SCRAPER = "kvfleet.io/metrics-scraper"
+#: On an engine StatefulSet while its pool drains replicas away (``reconcile/drain.py``): JSON
+#: ``{"serving": <replicas that stay>, "since": "<RFC 3339>"}``.
+ANNOTATION_DRAIN = "kvfleet.io/drain"
 
 # The pod's ports are part of the runtime's contract: their numbers live in kvfleet_runtime.config only.
 ENGINE_PORT = config.ENGINE_PORT

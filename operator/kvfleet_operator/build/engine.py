@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from kvfleet_operator.api.modeldeployment import DEFAULT_GPU_RESOURCE, PodTemplate, check_pod_template
 from kvfleet_operator.api.units import parse_quantity
 from kvfleet_operator.build.common import (
+    ANNOTATION_DRAIN,
     CONFIG_DIR,
     ENGINE_METRICS_PORT_NAME,
     ENGINE_PORT,
@@ -170,6 +171,10 @@ class PoolWorkload:
     template: PodTemplate = field(default_factory=PodTemplate)
     #: Hosts whose http(s) media URLs vLLM may fetch (the chart's ``allowedMediaHosts``); empty: none.
     allowed_media_domains: tuple[str, ...] = ()
+    #: While the pool drains replicas away (``reconcile/drain.py``): the replicas the StatefulSet keeps
+    #: running (``replicas`` are those the tenant table lists) and its ``kvfleet.io/drain`` annotation.
+    running_replicas: int | None = None
+    drain: str | None = None
 
 
 def _tolerates_forever_or_own(toleration: Obj, key: str) -> bool:
@@ -513,7 +518,7 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
     if template.annotations:
         pod_meta["annotations"] = dict(sorted(template.annotations.items()))
     spec: Obj = {
-        "replicas": w.replicas,
+        "replicas": w.replicas if w.running_replicas is None else w.running_replicas,
         "serviceName": name,
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector},
@@ -528,7 +533,9 @@ def build_engine_statefulset(w: PoolWorkload) -> Obj:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": metadata(name, w.namespace, labels, w.owner),
+        "metadata": metadata(
+            name, w.namespace, labels, w.owner, {ANNOTATION_DRAIN: w.drain} if w.drain else None
+        ),
         "spec": spec,
     }
 

@@ -6,7 +6,7 @@ pools. The reconcile shell reads the world, calls it, plans against what exists 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvfleet_operator.api import ModelDeployment, Tenant
@@ -22,6 +22,7 @@ from kvfleet_operator.build.common import (
     Obj,
     b64,
     config_map_name,
+    engine_name,
     gateway_name,
     keys_secret_name,
     metadata,
@@ -268,6 +269,7 @@ def build_desired_children(
     media_hosts: tuple[str, ...] = (),
     inference_pool_served: bool = True,
     gateway_store: GatewayStore | None = None,
+    draining: Mapping[str, tuple[int, str]] | None = None,
 ) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, dedicated pools, and the
     shared pool's KV tier across replicas when ``spec.kvCache.shared`` enables it.
@@ -278,6 +280,9 @@ def build_desired_children(
     ``media_hosts``: the hosts whose media URLs the gateway lets through and the engines fetch from (the
     chart's ``allowedMediaHosts``; empty: only ``data:`` URLs).
     ``gateway_store``: the store the gateway replicas split rate limits through (``build.gateway_store``).
+    ``draining``: engine StatefulSet name -> the replicas it keeps running and its ``kvfleet.io/drain``
+    annotation while its pool drains replicas away (``reconcile/drain.py``); the tenant table lists only
+    the replicas that stay.
     ``inference_pool_served``: the operator may manage InferencePools and the cluster serves their API.
     With ``spec.gateway.inferencePool`` the InferencePools are built either way (the reconcile withholds
     them and says why, ``reconcile.steps.withhold_exposure``), but only when served does anything route to
@@ -327,8 +332,9 @@ def build_desired_children(
             )
         )
     for w in workloads:
+        running, drain = (draining or {}).get(engine_name(w.model_deployment, w.pool), (None, None))
         children += [
-            build_engine_statefulset(w),
+            build_engine_statefulset(replace(w, running_replicas=running, drain=drain)),
             build_engine_service(w),
             build_engine_pdb(namespace, name, w.pool, w.owner),
             build_engine_network_policy(namespace, name, w.pool, w.owner, scrapers, operator, engine_callers),

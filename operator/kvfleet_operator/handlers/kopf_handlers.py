@@ -69,6 +69,9 @@ Obj = dict[str, Any]
 FINALIZER = "kvfleet.io/finalizer"
 ANNOTATION_PREFIX = "kvfleet.io"
 RESYNC_SECONDS = float(os.environ.get("KVFLEET_RESYNC_SECONDS", "30"))
+#: Seconds a scaled-in pool keeps its leaving replicas after the gateways stopped sending to them
+#: (``reconcile/drain.py``; the chart's ``operator.scaleInDrainSeconds``).
+DRAIN_SECONDS = float(os.environ.get("KVFLEET_DRAIN_SECONDS", "60"))
 #: How long a Tenant status that only says it waits for its pool is held, in case the pool gets ready
 #: meanwhile (``handlers/status_writer.py``).
 STATUS_HOLD_SECONDS = float(os.environ.get("KVFLEET_STATUS_HOLD_SECONDS", "10"))
@@ -270,6 +273,7 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
             guardrails=parse_guardrails(os.environ.get(GUARDRAILS_ENV)),
             # As strict: a host name with a typo must not silently allow another host.
             media_hosts=parse_media_hosts(os.environ.get(MEDIA_HOSTS_ENV, "")),
+            drain_seconds=DRAIN_SECONDS,
         )
         # A store the gateways could not log in to stops the start-up, naming the Secret.
         store = await load_gateway_store(client, parse_gateway_store(os.environ.get(GATEWAY_STORE_ENV)))

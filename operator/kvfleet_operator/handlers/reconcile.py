@@ -81,6 +81,7 @@ from kvfleet_operator.reconcile.capacity import (
     owned_engine_pods,
 )
 from kvfleet_operator.reconcile.conditions import DEGRADED, ConditionUpdate, now_rfc3339
+from kvfleet_operator.reconcile.drain import compute_drains, drain_annotation
 from kvfleet_operator.reconcile.node_loss import (
     ENGINE_POD_REPLACED,
     ENGINE_POD_STUCK_ON_LOST_NODE,
@@ -159,6 +160,9 @@ class OperatorConfig:
     gateway_store: GatewayStore | None = None
     #: Asks that store whether it serves (``k8s/gateway_store.py``), for ``SharedStoreUnreachable``.
     gateway_store_probe: GatewayStoreProbe | None = None
+    #: Seconds a scaled-in pool keeps its leaving replicas after the gateways stopped sending to them
+    #: (``reconcile/drain.py``; ``KVFLEET_DRAIN_SECONDS``); 0: they go at once.
+    drain_seconds: float = 0.0
     #: Where Tenants and key Secrets are read: the operator's watch-fed copies; ``None``: a LIST per
     #: reconcile (a reconcile run on its own, as the tests and tools do).
     reads: WatchedReads | None = None
@@ -451,21 +455,31 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
         return
     admitted = {d.name for d in c.decisions if d.admitted}
     keys = build_key_file(derive_salt_key_hex(c.config.salt_master, c.md), steps.key_hashes(c.keys), admitted)
-    desired = build_desired_children(
-        c.md,
-        c.capacity,
-        c.tenants,
-        c.decisions,
-        keys,
-        c.config.images,
-        c.config.monitoring,
-        c.config.metrics_scrapers,
-        c.config.operator_peer,
-        c.config.media_hosts,
-        gateway_store=c.config.gateway_store,
-        inference_pool_served=kinds.INFERENCE_POOL in c.config.exposure
-        and kinds.INFERENCE_POOL not in c.unserved,
-    )
+
+    def build(draining: Mapping[str, tuple[int, str]] | None = None) -> list[Obj]:
+        assert c.md is not None and c.capacity is not None
+        return build_desired_children(
+            c.md,
+            c.capacity,
+            c.tenants,
+            c.decisions,
+            keys,
+            c.config.images,
+            c.config.monitoring,
+            c.config.metrics_scrapers,
+            c.config.operator_peer,
+            c.config.media_hosts,
+            gateway_store=c.config.gateway_store,
+            inference_pool_served=kinds.INFERENCE_POOL in c.config.exposure
+            and kinds.INFERENCE_POOL not in c.unserved,
+            draining=draining,
+        )
+
+    desired = build()
+    # A pool scaled in keeps its leaving replicas until the gateways have stopped sending to them for the
+    # drain grace (reconcile/drain.py): the table lists the replicas that stay, the StatefulSet runs all.
+    if drains := compute_drains(desired, c.children, c.now, c.config.drain_seconds):
+        desired = build({name: (d.running, drain_annotation(d)) for name, d in drains.items()})
     # An Ingress, HTTPRoute or InferencePool the operator may not manage or the cluster does not serve is
     # left out (and said so on the status), never a failed apply that would stop the rest of the reconcile.
     c.desired, c.withheld = steps.withhold_exposure(desired, c.config.exposure, c.unserved)
