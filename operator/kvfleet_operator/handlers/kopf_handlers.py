@@ -71,12 +71,14 @@ ANNOTATION_PREFIX = "kvfleet.io"
 RESYNC_SECONDS = float(os.environ.get("KVFLEET_RESYNC_SECONDS", "30"))
 #: Seconds a scaled-in pool keeps its leaving replicas after the gateways stopped sending to them
 #: (``reconcile/drain.py``; the chart's ``operator.scaleInDrainSeconds``).
-DRAIN_SECONDS = float(os.environ.get("KVFLEET_DRAIN_SECONDS", "60"))
+DRAIN_SECONDS = float(os.environ.get("KVFLEET_DRAIN_SECONDS", "120"))
 #: How long a Tenant status that only says it waits for its pool is held, in case the pool gets ready
 #: meanwhile (``handlers/status_writer.py``).
 STATUS_HOLD_SECONDS = float(os.environ.get("KVFLEET_STATUS_HOLD_SECONDS", "10"))
 #: Reconciles that run at once (of different ModelDeployments; one ModelDeployment's never overlap).
 RECONCILES_AT_ONCE = 8
+#: Of those, the resync timer's at most (a safety net, not a trigger anyone waits for).
+RESYNCS_AT_ONCE = 2
 #: How long start-up waits for the first list of Tenants and key Secrets before kopf retries it.
 INFORMER_SYNC_SECONDS = 120.0
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
@@ -138,10 +140,22 @@ class OperatorState:
         #: Reconciles running at once: each holds its ModelDeployment's tenants parsed and their statuses,
         #: so fifty at once would hold every tenant of the cluster several times over.
         self._slots = asyncio.Semaphore(RECONCILES_AT_ONCE)
+        self._resync_turns = asyncio.Semaphore(RESYNCS_AT_ONCE)
         #: Reconciles started by a watched change (``tenant_changed``), kept until they end.
         self._spawned: set[asyncio.Task[None]] = set()
 
-    async def reconcile(self, namespace: str, name: str) -> None:
+    async def reconcile(self, namespace: str, name: str, *, resync: bool = False) -> None:
+        """One coalesced reconcile. A ``resync`` (the timer's) first waits for one of
+        :data:`RESYNCS_AT_ONCE` turns, before it takes the ModelDeployment's lock: fifty timers that fire
+        together take a few slots at a time, and a watched change (a tenant's edit) never queues behind
+        all of them."""
+        if resync:
+            async with self._resync_turns:
+                await self._coalesced(namespace, name)
+        else:
+            await self._coalesced(namespace, name)
+
+    async def _coalesced(self, namespace: str, name: str) -> None:
         async def _run() -> None:
             async with self._slots:
                 result = await reconcile_model_deployment(self.client, self.config, namespace, name)
@@ -360,7 +374,7 @@ async def on_model_deployment(*, namespace: str | None, name: str, memo: Any, **
 @kopf.timer(group=GROUP, version=VERSION, plural="modeldeployments", interval=RESYNC_SECONDS, sharp=False)
 async def resync(*, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     try:
-        await _state(memo).reconcile(str(namespace), name)
+        await _state(memo).reconcile(str(namespace), name, resync=True)
     except ApiError as exc:
         raise kopf.TemporaryError(f"API error during reconcile: {exc}", delay=5) from exc
 

@@ -4,11 +4,13 @@ When a pool's desired replicas (``spec.pool.replicas``, which KEDA's HPA writes 
 below what its engine StatefulSet runs, the reconcile does it in two steps:
 
 1. **Stop sending.** The tenant table lists only the replicas that stay (the gateways and the Endpoint
-   Picker reload it within their reload interval, a second or two), while the StatefulSet keeps running
+   Picker see it when the kubelet refreshes their mounted ConfigMap, up to about a minute, then within
+   their reload interval), while the StatefulSet keeps running
    the leaving ones, annotated ``kvfleet.io/drain`` with the replicas that stay and since when. A request
    already on a leaving replica finishes there.
 2. **Then the pods go.** The first reconcile at least ``grace`` seconds after that (the operator's
-   ``KVFLEET_DRAIN_SECONDS``, the chart's ``operator.scaleInDrainSeconds``; reconciles come at least every
+   ``KVFLEET_DRAIN_SECONDS``, the chart's ``operator.scaleInDrainSeconds``, 120 s by default: the
+   ConfigMap's way to the gateways and a minute of answers; reconciles come at least every
    ``resyncSeconds``) scales the StatefulSet down and drops the annotation. A request still running on a
    leaving replica then is cut, so the grace should exceed the longest answer the platform allows.
 
