@@ -47,9 +47,9 @@ Key = tuple[str, str]
 #: Default hold of a status that only says the tenant waits for its pool (``KVFLEET_STATUS_HOLD_SECONDS``).
 HOLD_SECONDS = 10.0
 #: Writes in flight at once.
-WORKERS = 8
+WORKERS = 16
 #: Statuses written per batch (one summary Event per ModelDeployment per batch).
-BATCH = 256
+BATCH = 512
 
 
 @dataclass

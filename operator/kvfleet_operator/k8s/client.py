@@ -160,7 +160,7 @@ class KubeClient:
             headers["Authorization"] = f"Bearer {self.credentials.token}"
         if self.user_agent:
             headers["User-Agent"] = self.user_agent
-        connector = aiohttp.TCPConnector(ssl=self.credentials.ssl_context(), limit=32)
+        connector = aiohttp.TCPConnector(ssl=self.credentials.ssl_context(), limit=64)
         self._session = aiohttp.ClientSession(
             self.credentials.server, headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(30)
         )

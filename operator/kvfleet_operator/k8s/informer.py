@@ -86,6 +86,8 @@ class Informer:
         self._objects: dict[str, dict[str, Obj]] = {}
         self._synced: dict[str | None, asyncio.Event] = {ns: asyncio.Event() for ns in self.namespaces}
         self._tasks: list[asyncio.Task[None]] = []
+        #: :meth:`list` answers, by namespace (``None``: all), until the next change there.
+        self._lists: dict[str | None, list[Obj]] = {}
         #: (namespace, name) -> the version that deleted it: an own write answered after the deletion was
         #: seen must not bring the object back.
         self._gone: dict[tuple[str, str], Obj] = {}
@@ -107,13 +109,23 @@ class Informer:
         self._tasks.clear()
 
     def list(self, namespace: str | None = None) -> list[Obj]:
-        """The objects of ``namespace`` (``None``: of all), in name order like a LIST answers."""
+        """The objects of ``namespace`` (``None``: of all), in name order like a LIST answers. The same
+        list until something there changes (every reconcile reads it: it is not sorted again each time);
+        callers must not change it."""
+        cached = self._lists.get(namespace)
+        if cached is not None:
+            return cached
         spaces = [namespace] if namespace is not None else sorted(self._objects)
-        out: list[Obj] = []
+        out: builtins.list[Obj] = []
         for ns in spaces:
             objects = self._objects.get(str(ns), {})
             out += [objects[name] for name in sorted(objects)]
+        self._lists[namespace] = out
         return out
+
+    def _changed(self, namespace: str) -> None:
+        self._lists.pop(namespace, None)
+        self._lists.pop(None, None)
 
     def get(self, namespace: str, name: str) -> Obj | None:
         return self._objects.get(namespace, {}).get(name)
@@ -133,6 +145,7 @@ class Informer:
             obj.setdefault("apiVersion", self.kind.api_version)
             obj.setdefault("kind", self.kind.kind)
             objects[name] = slim(obj)
+            self._changed(namespace)
 
     def _covers(self, namespace: str) -> bool:
         return None in self.namespaces or namespace in self.namespaces
@@ -146,6 +159,7 @@ class Informer:
         if not is_newer(obj, old):
             return  # the copy holds a later version already (an own write observed first)
         objects[str(meta["name"])] = slim(obj)
+        self._changed(str(meta.get("namespace") or ""))
         self._notify(old, obj)
 
     def _drop(self, obj: Obj) -> None:
@@ -154,6 +168,7 @@ class Informer:
             self._gone.clear()  # a bound: only writes in flight at the deletion need the mark
         self._gone[(str(meta.get("namespace") or ""), str(meta["name"]))] = {"metadata": dict(meta)}
         old = self._objects.get(str(meta.get("namespace") or ""), {}).pop(str(meta["name"]), None)
+        self._changed(str(meta.get("namespace") or ""))
         if old is not None:
             self._notify(old, None)
 
