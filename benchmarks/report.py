@@ -232,11 +232,12 @@ def _published(r: Results, config: str) -> str:
     return f"{value:g}%" if isinstance(value, int | float) else "\u2014"
 
 
-def _sim_spread(fig: Figure) -> str:
-    """``37.7% [37.5-38.7]`` over several seeds (the range even when it is empty), ``37.7%`` over one."""
+def _sim_spread(fig: Figure, scale: float = 1.0) -> str:
+    """``37.7% [37.5-38.7]`` over several seeds (the range even when it is empty), ``37.7%`` over one; a
+    figure in ratios takes ``scale=100``."""
     if fig.runs == 1 or fig.min is None or fig.max is None:
-        return pct(median(fig))
-    return f"{pct(median(fig))} [{num(fig.min, 1)}-{num(fig.max, 1)}]"
+        return pct(scale * median(fig))
+    return f"{pct(scale * median(fig))} [{num(scale * fig.min, 1)}-{num(scale * fig.max, 1)}]"
 
 
 def render_simulate_rag(f: Files) -> str:
@@ -1020,13 +1021,6 @@ def render_routing_vllm(f: Files) -> str:
     return f"`{r.command}`:\n\n" + table(header, rows)
 
 
-def _ratio_spread(fig: Figure) -> str:
-    """A ratio as ``12.4% [12.1-12.9]`` over several seeds, ``12.4%`` over one."""
-    if fig.runs == 1 or fig.min is None or fig.max is None:
-        return pct(100 * median(fig))
-    return f"{pct(100 * median(fig))} [{num(100 * fig.min, 1)}-{num(100 * fig.max, 1)}]"
-
-
 def render_simulate_routing_check(f: Files) -> str:
     r = f["simulate_routing"]
     cases = list(dict.fromkeys(k.split(".")[1] for k in r.figures if k.startswith("check.")))
@@ -1056,7 +1050,7 @@ def render_simulate_routing(f: Files) -> str:
     keys = [k.rsplit(".", 1)[0] for k in r.figures if k.endswith(".recompute")]
     pairs = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in keys))
     rows = [
-        [*pair.split("."), *(_ratio_spread(r.figure(f"{pair}.{how}.recompute")) for how in SIM_ROUTINGS)]
+        [*pair.split("."), *(_sim_spread(r.figure(f"{pair}.{how}.recompute"), 100) for how in SIM_ROUTINGS)]
         for pair in pairs
     ]
     header = ["scenario", "config", "session (ideal)", "affinity", "precise", "precise+tiers (not built)"]

@@ -80,7 +80,7 @@ def compute_drain(desired: int, statefulset: dict[str, Any] | None, now: str, gr
     if running <= desired:
         return None  # steady, scaling out, or scaled back up during a drain
     if serving is None or since is None or desired < serving:
-        serving, since = desired, now  # a drain starts (again, for replicas that served until now)
+        since = now  # a drain starts (again, for replicas that served until now)
     drain = Drain(running=running, serving=desired, since=since)
     return drain if drain.remaining_s(now, grace_s) > 0 else None
 

@@ -194,24 +194,19 @@ def compute_model_deployment_status(
             f"{engines.ready}/{engines.wanted} engine replicas and {gateway.ready}/{gateway.wanted} gateway "
             "replicas are ready" + ("; the shared KV tier is not." if tier_down else "."),
         )
-    if exposure is not None and problem is None:
+    # Still serving, but degraded: the first of these that applies, unless something worse degrades it.
+    notes = (
+        (reasons.EXPOSURE_UNAVAILABLE, exposure),
+        (reasons.CAPACITY_BELOW_PLAN, capacity_note),
+        (reasons.SHARED_STORE_UNREACHABLE, store_note),
+        (reasons.AUTOSCALING_UNAVAILABLE, autoscaling_note),
+    )
+    for reason, note in notes:
+        if note is None or problem is not None:
+            continue
         updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
         if not any(u.type == DEGRADED for u in updates):
-            updates.append(ConditionUpdate(DEGRADED, "True", reasons.EXPOSURE_UNAVAILABLE, exposure))
-    if capacity_note is not None and problem is None:
-        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
-        if not any(u.type == DEGRADED for u in updates):
-            updates.append(ConditionUpdate(DEGRADED, "True", reasons.CAPACITY_BELOW_PLAN, capacity_note))
-    if store_note is not None and problem is None:
-        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
-        if not any(u.type == DEGRADED for u in updates):
-            updates.append(ConditionUpdate(DEGRADED, "True", reasons.SHARED_STORE_UNREACHABLE, store_note))
-    if autoscaling_note is not None and problem is None:
-        updates = [u for u in updates if u.type != DEGRADED or u.status == "True"]
-        if not any(u.type == DEGRADED for u in updates):
-            updates.append(
-                ConditionUpdate(DEGRADED, "True", reasons.AUTOSCALING_UNAVAILABLE, autoscaling_note)
-            )
+            updates.append(ConditionUpdate(DEGRADED, "True", reason, note))
     status = ModelDeploymentStatus(
         conditions=merge_conditions(current, updates, generation, now),
         observed_generation=generation,
