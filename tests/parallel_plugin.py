@@ -21,19 +21,21 @@ runs whole on one worker, in collection order:
 Order: the groups (and single tests) that took longest in the last recorded run
 (``benchmarks/results/test_durations.json``) start first, longest first, and the short unit tests come
 last, so no worker is left with a long group when the other runs out of work. Without that file the
-collection order stands (it already ends with the unit tier).
+collection order stands (it already ends with the unit tier). The KEDA tests start after everything else,
+recorded or not: their step (``35-keda``) is the build lane's last and, on a cold machine, a Go build of
+every KEDA scaler's SDK beside the tests; started early, a worker would wait for it with work still queued.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
-from provisioning_plugin import NEEDS_EVERY_STEP
+from provisioning_plugin import NEEDS_EVERY_STEP, NEEDS_KEDA
 
 REPO = Path(__file__).resolve().parents[1]
 #: The last recorded run's durations (tests/durations_plugin.py writes it; make test updates it).
@@ -81,21 +83,28 @@ def recorded_seconds(path: Path = LAST_DURATIONS) -> dict[str, float]:
     return {nodeid: float(sum(phases)) for nodeid, phases in listed.items()}
 
 
-def start_order(groups: Mapping[str, str | None], seconds: Mapping[str, float]) -> dict[str, int]:
+def start_order(
+    groups: Mapping[str, str | None], seconds: Mapping[str, float], last_modules: Iterable[str] = NEEDS_KEDA
+) -> dict[str, int]:
     """Rank of every test (by node id) in the order its unit of work should start. A unit is a group, or
     one ungrouped test. Units start by their recorded seconds, longest first (the greedy longest-job-first
     schedule that keeps two workers' finishing times close); units without a record start after the
-    recorded ones, in collection order (which puts the unit tier last). ``groups`` maps node ids, in
-    collection order, to their group (``None``: ungrouped)."""
+    recorded ones, in collection order (which puts the unit tier last); the units of ``last_modules``
+    start after all of those. ``groups`` maps node ids, in collection order, to their group (``None``:
+    ungrouped)."""
     cost: dict[str, float] = defaultdict(float)
     first_seen: dict[str, int] = {}
     unit_of: dict[str, str] = {}
+    late: set[str] = set()
+    last = set(last_modules)
     for i, (nodeid, group) in enumerate(groups.items()):
         unit = f"group:{group}" if group is not None else f"test:{nodeid}"
         unit_of[nodeid] = unit
         first_seen.setdefault(unit, i)
         cost[unit] += seconds.get(nodeid, 0.0)
-    ordered = sorted(first_seen, key=lambda u: (-cost[u], first_seen[u]))
+        if nodeid.split("::", 1)[0] in last:
+            late.add(unit)
+    ordered = sorted(first_seen, key=lambda u: (u in late, -cost[u], first_seen[u]))
     unit_rank = {u: r for r, u in enumerate(ordered)}
     return {nodeid: unit_rank[unit_of[nodeid]] for nodeid in groups}
 

@@ -12,6 +12,7 @@ sizes its own cache (no ``--num-gpu-blocks-override``), the planner's figure for
 from __future__ import annotations
 
 import asyncio
+import time
 
 from test_engine_ports import get
 
@@ -40,7 +41,16 @@ def test_the_operator_reads_the_blocks_vllm_allocated_on_the_pods_metrics_port(
     targets = engine_metrics_targets([listed], [pool], "md-uid", port=pod.ports["--plugin-metrics-port"])
     assert [t.url for t in targets] == [pod.url("--plugin-metrics-port") + "/metrics"]
 
-    read = asyncio.run(EngineCapacityReader(timeout_s=20).read(targets))
+    # The pod's metrics port reads vLLM's /metrics over loopback at scrape time and gives up on it after
+    # UPSTREAM_TIMEOUT_S (3 s): on a machine busy with a build beside the tests that read can miss, and the
+    # scrape then carries no figure (the operator reads again after retry_s). A fresh reader every 2 s, for
+    # up to a minute, as the operator's next reconciles would.
+    read: dict[str, int] = {}
+    deadline = time.monotonic() + 60
+    while not read and time.monotonic() < deadline:
+        read = asyncio.run(EngineCapacityReader(timeout_s=20).read(targets))
+        if not read:
+            time.sleep(2)
 
     status, body = get(pod.url("--port", LOOPBACK) + "/metrics")
     assert status == 200

@@ -125,6 +125,21 @@ def test_the_longest_recorded_unit_of_work_starts_first_and_short_unit_tests_las
     assert sorted(groups, key=lambda n: rank[n]) == list(groups)
 
 
+def test_the_keda_tests_start_after_everything_else_even_when_recorded_as_the_longest() -> None:
+    groups = {
+        "tests/cluster/test_keda_autoscaling.py::t1": "tests/cluster/test_keda_autoscaling.py",
+        "tests/engine/b.py::t1": "tests/engine/b.py",
+        "tests/unit/u.py::t1": None,
+    }
+    seconds = {"tests/cluster/test_keda_autoscaling.py::t1": 500.0, "tests/engine/b.py::t1": 90.0}
+    rank = start_order(groups, seconds)
+    assert sorted(groups, key=lambda n: rank[n]) == [
+        "tests/engine/b.py::t1",
+        "tests/unit/u.py::t1",  # unrecorded, still before the step the build lane ends with
+        "tests/cluster/test_keda_autoscaling.py::t1",
+    ]
+
+
 def test_recorded_seconds_read_a_results_file_and_tolerate_none(tmp_path: Path) -> None:
     assert recorded_seconds(tmp_path / "absent.json") == {}
     summary = _session().summary(wall_s=1.0, workers=0, command="pytest", today=TODAY)
