@@ -21,6 +21,7 @@ import pytest
 from cluster_helpers import apply_crds, scratch_namespace, wait_for
 from devcluster import ControlPlane, PrometheusServer
 from devcluster.keda import Keda
+from devcluster.realpods import kubectl
 from prometheus_client import start_http_server
 from test_operator_reconcile import CONFIG, create, get, load_example, reconcile
 
@@ -40,6 +41,10 @@ PREMIUM_PER_REPLICA = 4
 #: How long a step of the chain may take on a loaded 2-core machine: Prometheus scrapes every second, KEDA
 #: polls every 2 s, the HPA controller evaluates every 3 s (devcluster.cluster.HPA_SYNC_PERIOD_S).
 STEP_S = 90
+#: What each engine replica is given at once (spec.gateway.engineInFlightPerReplica): the seats the
+#: guarantee floor counts per replica; tenant-saas.yaml's maxConcurrent 64 then needs FLOOR replicas.
+SEATS_PER_REPLICA = 24
+FLOOR = 3
 #: The operator as the chart runs it with rbac.keda=true (KVFLEET_EXPOSURE_KINDS=ScaledObject).
 KEDA_RIGHTS = dataclasses.replace(CONFIG, exposure=(kinds.SCALED_OBJECT,))
 
@@ -119,6 +124,7 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         doc = load_example("modeldeployment-qwen72b.yaml", ns)
         doc["spec"]["pool"]["replicas"] = 1
         doc["spec"]["pool"]["autoscaling"] = autoscaling(prom.url)
+        doc["spec"].setdefault("gateway", {})["engineInFlightPerReplica"] = SEATS_PER_REPLICA
         create(full_cluster, doc)  # the real API server's schema and CEL rules accept the field
         # Without rights on scaledobjects: served at spec.pool.replicas, and the status says why not scaled.
         result, _ = reconcile(full_cluster, ns, MD)
@@ -221,3 +227,35 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         held = wait_for(lambda: reading(str(PREMIUM_PER_REPLICA)), timeout=STEP_S, what="the HPA at target")
         assert held["status"]["desiredReplicas"] == 2
         assert get(full_cluster, md_path)["spec"]["pool"]["replicas"] == 2
+
+        # The guarantee floor (build/autoscaling.py): a standard-tier tenant promised 64 requests at once,
+        # at SEATS_PER_REPLICA per replica, needs 3 replicas. The reconcile runs 3 at once and makes 3 the
+        # ScaledObject's minimum; KEDA carries it to the HPA, which writes it to spec.pool.replicas.
+        create(full_cluster, load_example("tenant-saas.yaml", ns))
+        result, _ = reconcile(full_cluster, ns, MD, KEDA_RIGHTS)
+        assert not result.problem, result.problem
+        sts = get(full_cluster, f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-engine")
+        assert sts["spec"]["replicas"] == FLOOR
+        md = get(full_cluster, md_path)
+        assert md["status"]["guaranteed"]["seats"] == 64 and md["status"]["guaranteed"]["replicas"] == FLOOR
+        assert md["status"]["replicas"] == FLOOR  # what the scale subresource tells the HPA runs
+        # `kubectl get md` shows it (the CRD's printer column, as the API server serves the table).
+        table = kubectl(full_cluster, "get", "md", MD, "-n", ns)
+        header, row = table.splitlines()[:2]
+        assert header.split()[2:5] == ["REPLICAS", "FLOOR", "READY"] and row.split()[3] == str(FLOOR), table
+        assert get(full_cluster, so_path)["spec"]["minReplicaCount"] == FLOOR
+        wait_for(
+            lambda: (hpa() or {}).get("spec", {}).get("minReplicas") == FLOOR,
+            timeout=STEP_S,
+            what="KEDA carrying the floor to the HPA's minimum",
+        )
+        wait_for(
+            lambda: get(full_cluster, md_path)["spec"]["pool"]["replicas"] == FLOOR,
+            timeout=STEP_S,
+            what="the HPA raising spec.pool.replicas to the floor",
+        )
+        # The queue empties: every signal reads 0, and the HPA still does not go below the floor.
+        queue.set(0)
+        quiet = wait_for(lambda: reading("0"), timeout=STEP_S, what="the HPA reading every signal at 0 again")
+        assert quiet["status"]["desiredReplicas"] == FLOOR
+        assert get(full_cluster, md_path)["spec"]["pool"]["replicas"] == FLOOR

@@ -87,7 +87,15 @@ def test_crd_metadata() -> None:
         for kind, crd in crds.items()
     }
     assert columns["Tenant"] == ["MODEL", "TIER", "ISOLATION", "HBM QUOTA", "ADMITTED HBM", "READY", "AGE"]
-    assert columns["ModelDeployment"] == ["MODEL", "REPLICAS", "READY", "KV DTYPE", "KV CAPACITY", "AGE"]
+    assert columns["ModelDeployment"] == [
+        "MODEL",
+        "REPLICAS",
+        "FLOOR",
+        "READY",
+        "KV DTYPE",
+        "KV CAPACITY",
+        "AGE",
+    ]
 
 
 @pytest.mark.parametrize("kind", ["ModelDeployment", "Tenant"])

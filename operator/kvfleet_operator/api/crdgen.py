@@ -92,6 +92,12 @@ CRDS: tuple[CrdDefinition, ...] = (
                 "description": "Desired engine replicas.",
             },
             {
+                "name": "Floor",
+                "type": "integer",
+                "jsonPath": ".status.guaranteed.replicas",
+                "description": "Replicas the guaranteed tiers' concurrency needs (the autoscaling minimum).",
+            },
+            {
                 "name": "Ready",
                 "type": "integer",
                 "jsonPath": ".status.readyReplicas",

@@ -1931,6 +1931,22 @@ class GuaranteeStatus(CrdModel):
     ] = "0%"
     cpu_bytes: Annotated[int, Field(ge=0, description="Guaranteed CPU-tier bytes.")] = 0
     nvme_bytes: Annotated[int, Field(ge=0, description="Guaranteed NVMe-tier bytes.")] = 0
+    seats: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="Concurrent requests the premium and standard tenants on the shared pool are "
+            "promised (their rateLimits.maxConcurrent, summed).",
+        ),
+    ] = 0
+    replicas: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="The guarantee floor: shared-pool replicas those seats need. With autoscaling the "
+            "pool never scales in below it (within minReplicas..maxReplicas).",
+        ),
+    ] = 0
 
 
 class ModelDeploymentStatus(CrdModel):

@@ -104,6 +104,13 @@ the chart grants the operator no rights on scaledobjects (``rbac.keda``) or the 
 (keda.sh/v1alpha1 is not served); the message says which. Nothing scales the pool meanwhile:
 ``spec.pool.replicas`` is what runs."""
 
+GUARANTEE_FLOOR_UNMET: Final = "GuaranteeFloorUnmet"
+"""ModelDeployment (``Degraded``; still serving): the concurrency the guaranteed tiers' admitted tenants are
+promised (their ``rateLimits.maxConcurrent``, summed) needs more engine replicas than autoscaling may run
+(``spec.pool.autoscaling.maxReplicas``; ``status.guaranteed.replicas`` is the floor, ``seats`` the
+concurrency). Requests past what the pool seats wait at the gateway. Raise maxReplicas, or lower those
+tenants' ``maxConcurrent``."""
+
 SHARED_STORE_UNREACHABLE: Final = "SharedStoreUnreachable"
 """ModelDeployment (``Degraded``; still serving): the gateways' shared store (the chart's
 ``gatewaySharedStore``) does not answer the operator, or refuses its password (the message says which), so
@@ -161,6 +168,7 @@ CONDITION_REASONS: Final = (
     CAPACITY_BELOW_PLAN,
     SHARED_STORE_UNREACHABLE,
     AUTOSCALING_UNAVAILABLE,
+    GUARANTEE_FLOOR_UNMET,
     NO_MATCHING_NODES,
     GUARDRAIL_REFUSED,
     EXPOSURE_UNAVAILABLE,

@@ -18,13 +18,26 @@ trigger never errors on a quiet pool. The series are selected by namespace and p
 Kubernetes scrape (Prometheus Operator's ServiceMonitor and PodMonitor, :mod:`.monitoring`) attaches.
 
 Only the shared pool scales: dedicated pools' replicas come from their tenants' GPU groups.
+
+**The guarantee floor** (:func:`compute_guarantee_floor`). KV quotas are admitted per replica (every engine
+governs its own block pool, ``build/tenant_table.py``), so a replica more or less never breaks a KV
+guarantee. What does depend on the replica count is the concurrency the guaranteed tiers (premium and
+standard) are promised: an admitted tenant's ``rateLimits.maxConcurrent`` requests must find a seat on some
+engine at once. The floor is the replicas those seats need, each replica seating what the gateways give it
+at once (``spec.gateway.engineInFlightPerReplica``; else ``spec.engine.maxNumSeqs``; else
+:data:`DEFAULT_SEATS_PER_REPLICA`). With autoscaling on it is the ScaledObject's ``minReplicaCount`` (within
+minReplicas..maxReplicas), so the HPA never scales in below it, and the engine StatefulSet runs at least
+that many whatever ``spec.pool.replicas`` says; ``status.guaranteed`` shows it (``kubectl get md``: FLOOR).
+Best-effort (basic) tenants and tenants without ``maxConcurrent`` are promised no seats and add nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvfleet_operator.api.modeldeployment import KIND_MODEL_DEPLOYMENT, PoolAutoscaling
+from kvfleet_operator.api.modeldeployment import KIND_MODEL_DEPLOYMENT, ModelDeployment, PoolAutoscaling
+from kvfleet_operator.api.tenant import Tenant
 from kvfleet_operator.build.common import (
     SHARED_POOL,
     Obj,
@@ -35,6 +48,7 @@ from kvfleet_operator.build.common import (
     metadata,
     object_labels,
 )
+from kvfleet_operator.build.tenant_table import TenantDecision
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 SCALED_OBJECT = "ScaledObject"
@@ -53,6 +67,66 @@ GUARANTEED_TIERS = ("premium", "standard")
 BEST_EFFORT_TIER = "basic"
 #: The window of the time-to-first-token quantile.
 TTFT_WINDOW = "2m"
+#: Seats per replica when neither spec.gateway.engineInFlightPerReplica nor spec.engine.maxNumSeqs says:
+#: vLLM's default max_num_seqs for its OpenAI server on GPUs under 70 GiB (it takes 1,024 on larger ones;
+#: set maxNumSeqs to count those).
+DEFAULT_SEATS_PER_REPLICA = 256
+
+
+@dataclass(frozen=True)
+class GuaranteeFloor:
+    """The shared pool's floor: ``seats`` promised to admitted guaranteed-tier tenants, ``per_replica``
+    seats each replica offers, and ``replicas`` they need (``ceil(seats / per_replica)``; 0 without seats)."""
+
+    seats: int
+    per_replica: int
+    replicas: int
+
+    def minimum(self, autoscaling: PoolAutoscaling) -> int:
+        """The ScaledObject's ``minReplicaCount``: the floor, within minReplicas..maxReplicas."""
+        return min(max(autoscaling.min_replicas, self.replicas), autoscaling.max_replicas)
+
+    def unmet(self, autoscaling: PoolAutoscaling) -> str | None:
+        """Why autoscaling cannot keep the pool at the floor (it still serves), or ``None``: the floor is
+        above maxReplicas. Without autoscaling the floor is reported only (``status.guaranteed``)."""
+        if not autoscaling.enabled or self.replicas <= autoscaling.max_replicas:
+            return None
+        return (
+            f"the guaranteed tiers' tenants are promised {self.seats} concurrent requests, which need "
+            f"{self.replicas} replicas at {self.per_replica} per replica; spec.pool.autoscaling.maxReplicas "
+            f"is {autoscaling.max_replicas}. Raise it, or lower those tenants' rateLimits.maxConcurrent."
+        )
+
+
+def seats_per_replica(md: ModelDeployment) -> int:
+    """What one engine replica is given at once (see the module docstring)."""
+    in_flight = md.spec.gateway.engine_in_flight_per_replica
+    if in_flight:
+        return in_flight
+    return md.spec.engine.max_num_seqs or DEFAULT_SEATS_PER_REPLICA
+
+
+def compute_guarantee_floor(
+    md: ModelDeployment, tenants: Sequence[Tenant], decisions: Sequence[TenantDecision]
+) -> GuaranteeFloor:
+    """The floor from the tenants admission placed on the shared pool."""
+    admitted = {d.name for d in decisions if d.admitted and d.pool == SHARED_POOL}
+    seats = sum(
+        t.spec.rate_limits.max_concurrent or 0
+        for t in tenants
+        if str(t.metadata.get("name")) in admitted and t.spec.tier.value in GUARANTEED_TIERS
+    )
+    per_replica = seats_per_replica(md)
+    return GuaranteeFloor(seats=seats, per_replica=per_replica, replicas=-(-seats // per_replica))
+
+
+def shared_replicas(md: ModelDeployment, floor: GuaranteeFloor) -> int:
+    """The replicas the shared pool runs: ``spec.pool.replicas``, never below the floor's minimum while
+    autoscaling owns that field (an HPA scale-in, or a hand edit, cannot break a guarantee)."""
+    autoscaling = md.spec.pool.autoscaling
+    if not autoscaling.enabled:
+        return md.spec.pool.replicas
+    return max(md.spec.pool.replicas, floor.minimum(autoscaling))
 
 
 @dataclass(frozen=True)
@@ -135,9 +209,14 @@ def build_triggers(namespace: str, model_deployment: str, autoscaling: PoolAutos
 
 
 def build_scaled_object(
-    namespace: str, model_deployment: str, autoscaling: PoolAutoscaling, owner: Owner
+    namespace: str,
+    model_deployment: str,
+    autoscaling: PoolAutoscaling,
+    owner: Owner,
+    floor: GuaranteeFloor | None = None,
 ) -> Obj | None:
-    """The shared pool's ScaledObject, or ``None`` when autoscaling is off (or has no Prometheus to read)."""
+    """The shared pool's ScaledObject, or ``None`` when autoscaling is off (or has no Prometheus to read);
+    its minimum is the guarantee ``floor``'s (minReplicas without one)."""
     if not autoscaling.enabled or autoscaling.prometheus_address is None:
         return None
     name = scaled_object_name(model_deployment)
@@ -152,7 +231,7 @@ def build_scaled_object(
                 "kind": KIND_MODEL_DEPLOYMENT,
                 "name": model_deployment,
             },
-            "minReplicaCount": autoscaling.min_replicas,
+            "minReplicaCount": autoscaling.min_replicas if floor is None else floor.minimum(autoscaling),
             "maxReplicaCount": autoscaling.max_replicas,
             "pollingInterval": autoscaling.polling_interval_seconds,
             "triggers": [t.to_keda(autoscaling.prometheus_address) for t in triggers],

@@ -13,7 +13,7 @@ from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.common import GPU_GROUP_LABEL
 from kvfleet_operator.api.modeldeployment import DataPlane, Routing
 from kvfleet_operator.api.units import parse_duration, parse_quantity
-from kvfleet_operator.build.autoscaling import build_scaled_object
+from kvfleet_operator.build.autoscaling import build_scaled_object, compute_guarantee_floor, shared_replicas
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     KEY_FILE_KEY,
@@ -289,7 +289,9 @@ def build_desired_children(
     them or admit the platform gateway's pods; the Endpoint Picker runs for either.
     """
     namespace, name = str(md.metadata["namespace"]), str(md.metadata["name"])
-    shared = shared_workload(md, images)
+    floor = compute_guarantee_floor(md, tenants, decisions)
+    # Never below the guarantee floor while autoscaling owns spec.pool.replicas (build/autoscaling.py).
+    shared = replace(shared_workload(md, images), replicas=shared_replicas(md, floor))
     workloads = [shared]
     by_name = {str(t.metadata["name"]): t for t in tenants}
     for decision in decisions:
@@ -359,6 +361,7 @@ def build_desired_children(
         ]
     # KEDA's ScaledObject for the shared pool (withheld, with a condition, where the chart grants no
     # rights on it or the cluster runs no KEDA: reconcile.steps.withhold_exposure).
-    if (scaled := build_scaled_object(namespace, name, md.spec.pool.autoscaling, owner_of(md))) is not None:
+    scaled = build_scaled_object(namespace, name, md.spec.pool.autoscaling, owner_of(md), floor)
+    if scaled is not None:
         children.append(scaled)
     return children

@@ -27,6 +27,7 @@ from kvfleet_operator.api.modeldeployment import (
     TieredCapacity,
 )
 from kvfleet_operator.api.tenant import ApiKeyFingerprints, ResolvedQuota
+from kvfleet_operator.build.autoscaling import GuaranteeFloor, compute_guarantee_floor, shared_replicas
 from kvfleet_operator.build.common import (
     SHARED_POOL,
     engine_name,
@@ -166,6 +167,7 @@ def compute_model_deployment_status(
     shared_tier: WorkloadReadiness | None = None,
     store_note: str | None = None,
     autoscaling_note: str | None = None,
+    floor: GuaranteeFloor | None = None,
 ) -> Obj:
     """The whole status of ``md`` as it goes on the wire (camelCase). ``placement``: why no node can run
     the shared pool's engine pods (``placement.compute_placement_problems``), reported while they are not
@@ -177,7 +179,9 @@ def compute_model_deployment_status(
     ``shared_tier``: the shared KV tier's server, when there is one (``Ready`` waits for it too);
     ``store_note``: why the gateways' shared store does not serve (``SharedStoreUnreachable``, ``Degraded``
     like ``exposure``: the gateways fall back to their static shares); ``autoscaling_note``: why the KEDA
-    ScaledObject ``spec.pool.autoscaling`` asks for is not created (``AutoscalingUnavailable``, the same)."""
+    ScaledObject ``spec.pool.autoscaling`` asks for is not created (``AutoscalingUnavailable``, the same).
+    ``floor``: the shared pool's guarantee floor (``build/autoscaling.py``), in ``status.guaranteed``;
+    a floor above autoscaling's maxReplicas is ``GuaranteeFloorUnmet`` (``Degraded`` like ``exposure``)."""
     generation = int(md.metadata.get("generation", 0))
     current = md.status.model_dump(by_alias=True, mode="json")["conditions"] if md.status else []
     name = str(md.metadata["name"])
@@ -200,6 +204,7 @@ def compute_model_deployment_status(
         (reasons.CAPACITY_BELOW_PLAN, capacity_note),
         (reasons.SHARED_STORE_UNREACHABLE, store_note),
         (reasons.AUTOSCALING_UNAVAILABLE, autoscaling_note),
+        (reasons.GUARANTEE_FLOOR_UNMET, floor.unmet(md.spec.pool.autoscaling) if floor is not None else None),
     )
     for reason, note in notes:
         if note is None or problem is not None:
@@ -210,7 +215,7 @@ def compute_model_deployment_status(
     status = ModelDeploymentStatus(
         conditions=merge_conditions(current, updates, generation, now),
         observed_generation=generation,
-        replicas=md.spec.pool.replicas,
+        replicas=md.spec.pool.replicas if floor is None else shared_replicas(md, floor),
         ready_replicas=engines.ready,
         selector=",".join(f"{k}={v}" for k, v in selector_labels(name, "engine", "shared").items()),
         endpoint=endpoint,
@@ -245,6 +250,8 @@ def compute_model_deployment_status(
             hbm_share=f"{float(share * 100):.4g}%",
             cpu_bytes=sum(d.quota.cpu_bytes for d in shared if d.quota),
             nvme_bytes=sum(d.quota.nvme_bytes for d in shared if d.quota),
+            seats=floor.seats if floor is not None else 0,
+            replicas=floor.replicas if floor is not None else 0,
         )
     return status.model_dump(by_alias=True, mode="json", exclude_none=True)
 
@@ -463,8 +470,9 @@ def compute_served_statuses(
     keys = keys or {}
     placement = placement or {}
     name = str(md.metadata["name"])
+    floor = compute_guarantee_floor(md, tenants, decisions)
     engines = readiness_of(
-        _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
+        _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), shared_replicas(md, floor)
     )
     gateway = front_door_readiness(md, children)
     writes = [
@@ -487,6 +495,7 @@ def compute_served_statuses(
                 shared_tier_readiness(md, children),
                 store_note,
                 autoscaling_note,
+                floor,
             ),
         )
     ]
