@@ -18,9 +18,9 @@
 # Kubernetes service discovery, which Debian's build lacks), plus Debian's containerd, runc, CNI plugins,
 # ipset and conntrack (apt).
 #
-# KEDA (step `keda`, run by hack/provision.d/35-keda.sh, not by default): keda-operator and keda-adapter (its
-# metrics API server) from hack/cluster/keda, and its CRDs in $KVFLEET_CACHE/keda-crds, for the autoscaling
-# tests (hack/devcluster/keda.py starts them on demand).
+# KEDA (steps `keda-modules` and `keda`, run by hack/provision.d/25-keda-modules.sh and 35-keda.sh, not by
+# default): keda-operator and keda-adapter (its metrics API server) from hack/cluster/keda, and its CRDs in
+# $KVFLEET_CACHE/keda-crds, for the autoscaling tests (hack/devcluster/keda.py starts them on demand).
 #
 # Every Go binary is built through the Go module proxy from a small wrapper module under hack/cluster/.
 # The k8s.io/* staging modules that k8s.io/kubernetes replaces with ./staging paths are read from that
@@ -251,11 +251,30 @@ build_prometheus_k8s() {
 # would add its link time to every cold CI run (plus a ValidatingWebhookConfiguration to register) for
 # nothing the tests read.
 # KEDA's go.mod replace and exclude directives apply only in its own module: copied into the wrapper's.
-build_keda() {
-  local dir=$ROOT/hack/cluster/keda module=github.com/kedacore/keda/v2
-  sync_module "$dir" "$module" "$KEDA_VERSION" "$module/cmd/operator" "$module/cmd/adapter" \
+KEDA_DIR=$ROOT/hack/cluster/keda
+KEDA_MODULE=github.com/kedacore/keda/v2
+sync_keda_module() {
+  local module=$KEDA_MODULE
+  sync_module "$KEDA_DIR" "$module" "$KEDA_VERSION" "$module/cmd/operator" "$module/cmd/adapter" \
     -replace=github.com/nexus-rpc/nexus-proto-annotations@v0.1.0=github.com/nexus-rpc/nexus-proto-annotations@v0.1.1-0.20260629224316-835bd8d49cb4 \
     -exclude=github.com/go-chi/chi/v5@v5.2.3
+}
+
+# Step `keda-modules` (hack/provision.d/25-keda-modules.sh): every module the KEDA build reads, into Go's
+# module cache (about 1.7 GB), before the real node's tests can start; the build (step `keda`, beside the
+# tests) then runs with GOPROXY=off and needs no network while the node changes the machine's.
+fetch_keda_modules() {
+  local start=$SECONDS
+  sync_keda_module
+  module_commit "$KEDA_MODULE@$KEDA_VERSION" >/dev/null
+  module_dir "$KEDA_MODULE@$KEDA_VERSION" >/dev/null
+  (cd "$KEDA_DIR" && go list -deps "$KEDA_MODULE/cmd/operator" "$KEDA_MODULE/cmd/adapter" >/dev/null)
+  log "keda-modules: in Go's module cache ($((SECONDS - start)) s)"
+}
+
+build_keda() {
+  local dir=$KEDA_DIR module=$KEDA_MODULE
+  sync_keda_module
   local commit ldflags fp src
   commit=$(module_commit "$module@$KEDA_VERSION")
   # KEDA's Makefile: version.Version (the tag without its v in release builds) and version.GitCommit.
@@ -272,8 +291,9 @@ build_keda() {
   log "keda: building operator and adapter (go build -p $JOBS; this is slow on a cold cache)"
   local start=$SECONDS out
   out=$(mktemp -d)
-  # CGO off as in KEDA's Makefile (CGO ?= 0): static binaries, no C toolchain in the build.
-  (cd "$dir" && CGO_ENABLED=0 go build -p "$JOBS" -trimpath -ldflags "-s -w $ldflags" -o "$out/" \
+  # CGO off as in KEDA's Makefile (CGO ?= 0): static binaries, no C toolchain in the build. -v names each
+  # package as it is compiled (about 3,700), so the step's log shows how far a slow build has come.
+  (cd "$dir" && CGO_ENABLED=0 go build -v -p "$JOBS" -trimpath -ldflags "-s -w $ldflags" -o "$out/" \
     "$module/cmd/operator" "$module/cmd/adapter")
   mv "$out/operator" "$BIN/keda-operator" && mv "$out/adapter" "$BIN/keda-adapter" && rmdir "$out"
   echo "$fp" > "$STAMPS/keda"
@@ -408,6 +428,7 @@ for step in $steps; do
     prometheus) install_prometheus ;;
     shared-store) install_shared_store ;;
     gateway-api) copy_gateway_api_crds ;;
+    keda-modules) fetch_keda_modules ;;
     keda) build_keda ;;
     node) install_node_packages; build_kubelet; build_pause; build_coredns; build_kube_router; build_prometheus_k8s ;;
     node-packages) install_node_packages ;;

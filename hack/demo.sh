@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 hack/bootstrap.sh
 if [ "${1:-}" != "--stop" ]; then
   # KEDA serves only the autoscaling tests; the demo does not scale (13 min of Go build saved when cold).
-  provision=(--for "make demo" --skip 35-keda)
+  provision=(--for "make demo" --skip 25-keda-modules --skip 35-keda)
   if [ "${CI:-}" != true ]; then
     # Real pods need root, the node tier and the images; without them the demo runs on local processes,
     # and its report says why (hack/demo.py probes the machine). Under CI=true a failure here stops it.

@@ -64,6 +64,21 @@ def wait_for_steps(
     return outcomes
 
 
+#: Where hack/provision.sh writes each step's output (``$KVFLEET_CACHE/logs/provision/STEP.log``).
+LOGS = Path(os.environ.get("KVFLEET_CACHE", str(Path.home() / ".cache" / "kvfleet"))) / "logs" / "provision"
+
+
+def step_log_tail(step: str, lines: int = 12, logs: Path = LOGS) -> str:
+    """The last ``lines`` of a step's log, for the failure a test reports when the step did not end well:
+    CI shows only the test's message, and a step that failed or never ended is otherwise a mystery there."""
+    try:
+        text = (logs / f"{step}.log").read_text(errors="replace")
+    except OSError:
+        return f"(no log at {logs / f'{step}.log'})"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(f"  | {line}" for line in tail) or "(its log is empty)"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     state = os.environ.get(STATE_ENV)
@@ -73,6 +88,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for step, outcome in wait_for_steps(Path(state), steps, WAIT_S).items():
         if outcome != "done":
             missing_component(
-                f"what hack/provision.d/{step}.sh provisions (the step {outcome})",
+                f"what hack/provision.d/{step}.sh provisions (the step {outcome}; the last lines of its "
+                f"log:\n{step_log_tail(step)}\n)",
                 f"bash hack/provision.d/{step}.sh",
             )

@@ -246,20 +246,23 @@ def test_the_demo_goes_on_past_the_node_and_images_steps_outside_ci_only(tmp_pat
 
 def test_a_skipped_step_is_neither_run_nor_listed_and_the_demo_skips_keda(tmp_path: Path) -> None:
     root = _tree(tmp_path)
-    keda = root / "hack/provision.d/35-keda.sh"
-    keda.write_text(
-        f"#!/usr/bin/env bash\n# lane: build\necho '35-keda start' $(date +%s.%N) >>'{tmp_path}/order'\n"
-    )
-    keda.chmod(0o755)
+    for name in ("25-keda-modules", "35-keda"):
+        keda = root / f"hack/provision.d/{name}.sh"
+        keda.write_text(
+            f"#!/usr/bin/env bash\n# lane: build\necho '{name} start' $(date +%s.%N) >>'{tmp_path}/order'\n"
+        )
+        keda.chmod(0o755)
     done = _run(root, "provision.sh", "--skip", "30-node")
     assert done.returncode == 0, done.stderr
     assert "30-node start" not in _order(root) and "35-keda start" in _order(root)
-    assert "provisioning: 4 steps in 2 lanes side by side (build: 10-cluster, 35-keda;" in done.stdout
+    assert "provisioning: 5 steps in 2 lanes side by side (build: 10-cluster, 25-keda-modules, 35-keda;" in (
+        done.stdout
+    )
     (root / "order").unlink()
     demo = _run(root, "demo.sh")
     assert demo.returncode == 0, demo.stderr
-    # KEDA serves only the autoscaling tests: `make demo` never waits for its build.
-    assert "35-keda" not in demo.stdout and "35-keda start" not in _order(root)
+    # KEDA serves only the autoscaling tests: `make demo` never waits for its modules or its build.
+    assert "keda" not in demo.stdout and "keda" not in _order(root)
     assert "30-node start" in _order(root)
 
 

@@ -25,7 +25,7 @@ from parallel_plugin import (
     start_order,
     strip_group,
 )
-from provisioning_plugin import step_outcome, steps_needed, wait_for_steps
+from provisioning_plugin import step_log_tail, step_outcome, steps_needed, wait_for_steps
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -160,3 +160,12 @@ def test_only_the_real_node_images_and_demo_tests_wait_for_the_late_steps(tmp_pa
     assert step_outcome(tmp_path, "10-cluster") is None
     outcomes = wait_for_steps(tmp_path, ("30-node", "40-images", "10-cluster"), timeout_s=0.3, poll_s=0.05)
     assert outcomes == {"30-node": "done", "40-images": "failed", "10-cluster": "timeout"}
+
+
+def test_a_step_that_did_not_end_well_is_reported_with_the_last_lines_of_its_log(tmp_path: Path) -> None:
+    (tmp_path / "35-keda.log").write_text("".join(f"line {i}\n" for i in range(40)))
+    tail = step_log_tail("35-keda", lines=3, logs=tmp_path)
+    assert tail == "  | line 37\n  | line 38\n  | line 39"
+    assert step_log_tail("25-keda-modules", logs=tmp_path).startswith("(no log at ")
+    (tmp_path / "empty.log").write_text("")
+    assert step_log_tail("empty", logs=tmp_path) == "(its log is empty)"
