@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -83,8 +85,15 @@ def _tree(
     return tmp_path
 
 
+#: What the scripts under test must not inherit from the run that runs these tests. Under `make test`,
+#: KVFLEET_PROVISION_STATE names the real driver's state folder: a fake provision.sh started with it wipes
+#: the real steps' outcomes and writes its fake ones there (stop 30's CI: 35-keda's outcome was gone, and
+#: the KEDA test waited for it until its hour ran out).
+INHERITED_NOT = ("KVFLEET_ALLOW_MISSING", "CI", "KVFLEET_PROGRESS_INTERVAL", "KVFLEET_PROVISION_STATE")
+
+
 def _env(root: Path, **env: str) -> dict[str, str]:
-    drop = ("KVFLEET_ALLOW_MISSING", "CI", "KVFLEET_PROGRESS_INTERVAL")
+    drop = INHERITED_NOT
     return (
         {k: v for k, v in os.environ.items() if k not in drop} | {"KVFLEET_CACHE": str(root / "cache")} | env
     )
@@ -383,3 +392,18 @@ def test_ci_cold_reads_the_figures_back_from_a_log_of_make_test(tmp_path: Path) 
     figures = figures_of(run)
     assert figures["lint_s"].median == run.lint_lane_s
     assert figures["provision_cluster_s"].median == run.steps["cluster"]
+
+
+def test_the_fake_runs_leave_the_real_drivers_state_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `make test` these tests run beside the real provisioning, whose state folder is in the
+    environment: nothing a fake run does may touch it."""
+    real = tmp_path / "real-state"
+    real.mkdir()
+    (real / "35-keda.done").touch()
+    monkeypatch.setenv("KVFLEET_PROVISION_STATE", str(real))
+    root = _tree(tmp_path / "fake")
+    for script, args in (("provision.sh", ()), ("demo.sh", ()), ("test.sh", ())):
+        _run(root, script, *args)
+    assert sorted(p.name for p in real.iterdir()) == ["35-keda.done"]
