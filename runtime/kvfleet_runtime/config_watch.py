@@ -18,6 +18,11 @@ changes.
 
 Sync core (``poll``, blocking: it stats and reads files) and a thin async wrapper (``poll_async``, in a
 thread) for hosts on an event loop.
+
+A reload validates only what changed (:meth:`TenantTable.reload`: the tenants whose JSON differs from the
+last good table's; a key file with the same bytes is the last one): at 10,000 tenants one validation of the
+whole table holds the GIL for 0.12 s, long enough to stall a gateway's requests. Unchanged tenants keep
+their objects, so a host can tell them by identity.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
-from kvfleet_runtime.config import KeyFile, TenantTable
+from kvfleet_runtime.config import KeyFile, LoadedTable, TenantTable
 
 __all__ = [
     "ConfigFile",
@@ -118,21 +123,28 @@ class RuntimeConfigWatcher:
         self._seen: tuple[FileSignature, FileSignature] | None = None
         self.current: RuntimeConfig | None = None
         self.failures = 0
+        #: The last good table with its tenants' JSON, and the last good key file's bytes (reuse).
+        self._loaded: LoadedTable | None = None
+        self._keys_bytes: bytes | None = None
 
     def _signatures(self) -> tuple[FileSignature, FileSignature]:
         return (file_signature(self.table_path), file_signature(self.keys_path))
 
     def _read(self) -> RuntimeConfig:
-        """Both files, validated; raises ``_Rejected`` naming the file that failed."""
+        """Both files, validated, reusing what did not change since the last good pair; raises
+        ``_Rejected`` naming the file that failed (then nothing is remembered)."""
         try:
-            table = TenantTable.load(self.table_path)
+            loaded = TenantTable.reload(self.table_path.read_bytes(), self._loaded)
         except (OSError, ValueError) as exc:
             raise _Rejected(ConfigFile.TENANT_TABLE, self.table_path, exc) from exc
         try:
-            keys = KeyFile.load(self.keys_path)
+            data = self.keys_path.read_bytes()
+            last = self.current.keys if self.current is not None and data == self._keys_bytes else None
+            keys = last or KeyFile.model_validate_json(data)
         except (OSError, ValueError) as exc:
             raise _Rejected(ConfigFile.KEY_FILE, self.keys_path, exc) from exc
-        return RuntimeConfig(table, keys)
+        self._loaded, self._keys_bytes = loaded, data
+        return RuntimeConfig(loaded.table, keys)
 
     def load(self) -> RuntimeConfig:
         """The first load: raises ``OSError``/``ValueError`` with the reason, so a process with a bad

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ from kvfleet_runtime.config import (
     KeyFile,
     TenantTable,
     dump_json,
+    loads_in_steps,
 )
 from kvfleet_runtime.config_watch import (
     ConfigFile,
@@ -181,3 +183,72 @@ def test_poll_async_runs_the_same_poll(tmp_path: Path) -> None:
     config = asyncio.run(watcher.poll_async())
     assert config is not None and set(config.table.tenants) == {"a", "b"}
     assert asyncio.run(watcher.poll_async()) is None
+
+
+def test_a_reload_validates_only_the_changed_tenants_and_equals_a_full_load(tmp_path: Path) -> None:
+    """TenantTable.reload: unchanged entries keep their objects (the gateway then leaves their gates and
+    policies alone), changed and new ones are validated, removed ones go, and the result equals a full
+    validation of the file."""
+    write(tmp_path, table("a", "b", "c"), keys("a", "b", "c"))
+    watcher, recorder = watcher_on(tmp_path)
+    first = watcher.load().table
+    edited = tenant_table(
+        tenant_entry("a", hbm=1, hbm_burst=2),
+        tenant_entry("b", hbm=1, hbm_burst=5),  # changed
+        tenant_entry("d", hbm=1, hbm_burst=2),  # new; c removed
+        pools=[pool_entry(hbm_blocks=100)],
+    )
+    (tmp_path / "tenants.json").write_text(dump_json(edited))
+    set_mtime(tmp_path / "tenants.json", 1)
+    config = watcher.poll()
+    assert config is not None and not recorder.rejections
+    second = config.table
+    assert second == TenantTable.model_validate_json((tmp_path / "tenants.json").read_bytes())
+    assert list(second.tenants) == ["a", "b", "d"]
+    assert second.tenants["a"] is first.tenants["a"]  # unchanged: the same object
+    assert second.tenants["b"] is not first.tenants["b"] and second.tenants["b"].quota.hbm_burst_blocks == 5
+    assert config.keys is watcher.current.keys  # the key file's bytes did not change: the same object
+    # A changed entry that is invalid is rejected with the full load's own error, and nothing is kept.
+    bad = dump_json(edited).replace('"hbm_burst_blocks": 5', '"hbm_burst_blocks": -5')
+    assert bad != dump_json(edited)
+    (tmp_path / "tenants.json").write_text(bad)
+    set_mtime(tmp_path / "tenants.json", 2)
+    assert watcher.poll() is None
+    (rejection,) = recorder.rejections
+    assert (
+        rejection.file is ConfigFile.TENANT_TABLE and "tenants.b.quota.hbm_burst_blocks" in rejection.reason
+    )
+    assert watcher.current.table is second
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1, "tenants": {"x": {"k": [1, 2.5, null, true]}, "y": {}}, "b": "s"}',
+        ' \n{ "tenants" : { } , "z" : {"tenants": 3} }\n ',
+        '{"tenants": 7}',
+        "{}",
+        '{"tenants": {"x": 1, "x": 2}}',
+        '{"tenants": {"\\u00e9": "caf\\u00e9"}}',
+    ],
+)
+def test_decoding_in_steps_agrees_with_json_loads(text: str) -> None:
+    assert loads_in_steps(text, "tenants") == json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "text", ['{"tenants": {"x": 1,}}', '{"tenants": {"x" 1}}', '{"a": 1} x', '{"tenants": {x: 1}}', '{"a": 1']
+)
+def test_decoding_in_steps_refuses_what_json_loads_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        json.loads(text)
+    with pytest.raises(ValueError):
+        loads_in_steps(text, "tenants")
+
+
+def test_decoding_in_steps_agrees_on_a_large_table() -> None:
+    big = tenant_table(
+        *(tenant_entry(f"t{i}", hbm=1, hbm_burst=2) for i in range(1000)), pools=[pool_entry()]
+    )
+    text = dump_json(big)
+    assert loads_in_steps(text, "tenants") == json.loads(text)

@@ -311,3 +311,36 @@ def test_listen_flag_and_bad_config_exit_code(tmp_path: Path, caplog: pytest.Log
     )
     assert code == 2
     assert "cannot start" in caplog.text and "SECRET" not in caplog.text
+
+
+def test_a_snapshot_keeps_the_tenants_a_reload_left_alone_and_rebuilds_the_rest() -> None:
+    """build_snapshot(previous=...): a tenant whose entry is the same object, in an equal pool, under the
+    same salt key keeps its TenantRuntime (the gateway then leaves its gate and policy alone); anything
+    that changes what the runtime derives builds it again."""
+    rows = [TenantRow("a"), TenantRow("b")]
+    table = build_table(rows, {"shared": ["http://e0:8000"]})
+    keys, _ = build_keys(rows)
+    first = build_snapshot(table, keys)
+    # The same entries (as TenantTable.reload keeps them): the same runtimes.
+    again = build_snapshot(table.model_copy(), keys, previous=first)
+    assert again.tenants["a"] is first.tenants["a"] and again.tenants["b"] is first.tenants["b"]
+    # An edited entry: rebuilt; the other kept.
+    edited = TenantTable.model_validate(
+        {
+            **dict(table),
+            "tenants": {**table.tenants, "b": table.tenants["b"].model_copy(update={"priority": 0})},
+        }
+    )
+    changed = build_snapshot(edited, keys, previous=first)
+    assert changed.tenants["a"] is first.tenants["a"]
+    assert changed.tenants["b"] is not first.tenants["b"] and changed.tenants["b"].entry.priority == 0
+    # A pool whose endpoints changed, or a new salt key: every tenant of it is rebuilt.
+    moved = build_table(rows, {"shared": ["http://e0:8000", "http://e1:8000"]})
+    moved = TenantTable.model_validate({**dict(moved), "tenants": table.tenants})
+    rebuilt = build_snapshot(moved, keys, previous=first)
+    assert rebuilt.tenants["a"] is not first.tenants["a"] and len(rebuilt.tenants["a"].pool.endpoints) == 2
+    rekeyed = build_snapshot(
+        table, KeyFile(salt_key_hex="cd" * 32, key_hashes=keys.key_hashes), previous=first
+    )
+    assert rekeyed.tenants["a"] is not first.tenants["a"]
+    assert rekeyed.tenants["a"].cache_salt != first.tenants["a"].cache_salt

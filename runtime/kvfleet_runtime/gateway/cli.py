@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from collections.abc import Coroutine
 from typing import Any
 
@@ -48,7 +49,16 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: How long another thread may hold the GIL before the event loop's thread gets it (CPython's default is
+#: 5 ms). The loop gives the GIL up at every socket call and must wait up to this long for it back while
+#: a reload's thread decodes a new tenant table (about 0.2 s of work at 10,000 tenants): at 5 ms a request
+#: waited 200 ms during reloads (benchmarks/gateway/reload.py). With no other thread busy nothing switches.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def run_loop(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a front door's event loop (uvloop where installed), its reload threads kept short of the GIL."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         import uvloop  # noqa: PLC0415 - optional speed-up; plain asyncio works the same
     except ImportError:

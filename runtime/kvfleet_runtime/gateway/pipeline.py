@@ -37,7 +37,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -219,13 +219,20 @@ class Pipeline:
 
     # -- configuration ------------------------------------------------------------------------------
     def apply_snapshot(self, snapshot: GatewaySnapshot) -> None:
-        """Swap in a new configuration; in-flight requests keep the objects they already hold."""
+        """Swap in a new configuration; in-flight requests keep the objects they already hold. It runs on
+        the event loop, so it touches only what changed: a tenant the reload kept (the same
+        ``TenantRuntime``, ``build_snapshot``) keeps its policy and gate as they are."""
         routers = {
             name: build_pool_router(name, pool.endpoints, self.routers.get(name))
             for name, pool in snapshot.table.pools.items()
         }
+        before = self.snapshot.tenants if self.snapshot is not None else {}
         policies: dict[str, RequestPolicy] = {}
         for name, tenant in snapshot.tenants.items():
+            policy = self.policies.get(name)
+            if before.get(name) is tenant and policy is not None and name in self.gates:
+                policies[name] = policy
+                continue
             limits = self._limits_for(tenant)
             gate = self.gates.get(name)
             if gate is None:
@@ -236,7 +243,7 @@ class Pipeline:
             policies[name] = self._policy_for(tenant, limits)
         self.routers = routers
         self._follow_kv_events(snapshot)
-        self._update_engine_queues(snapshot)
+        self._update_engine_queues(snapshot, before)
         self.policies = policies
         self.snapshot = snapshot
         self.metrics.set_model_deployment(snapshot.table.model_deployment)
@@ -263,10 +270,16 @@ class Pipeline:
         if self.kv_feeds is not None:
             self.kv_feeds.sync(addresses)
 
-    def _update_engine_queues(self, snapshot: GatewaySnapshot) -> None:
-        """One ``EngineQueue`` per pool, its limit scaled to the pool's replicas; counters survive reloads."""
+    def _update_engine_queues(
+        self, snapshot: GatewaySnapshot, before: Mapping[str, TenantRuntime] | None = None
+    ) -> None:
+        """One ``EngineQueue`` per pool, its limit scaled to the pool's replicas; counters survive reloads.
+        A tenant of ``before`` (the snapshot replaced) that the reload kept, on the same queue, keeps its
+        counter's reading as it is."""
         per_replica = self.settings.engine_in_flight_per_replica
         cost = TokenCost(self.settings.fair_input_weight, self.settings.fair_output_weight)
+        previous = self.engine_queues
+        before = before or {}
         queues: dict[str, EngineQueue] = {}
         for name, pool in snapshot.table.pools.items():
             limit = per_replica * max(1, len(pool.endpoints)) if per_replica > 0 else None
@@ -278,10 +291,12 @@ class Pipeline:
                 depth.set_function(functools.partial(queue.fair.waiting, SLA_RANK[tier]))
         self.engine_queues = queues
         for tenant in snapshot.tenants.values():
+            queue = queues[tenant.pool.name]
+            if before.get(tenant.name) is tenant and previous.get(tenant.pool.name) is queue:
+                continue
             label = self.metrics.tenant_label(tenant.name)
             if label != m.OTHER_TENANTS:
                 counter = self.metrics.fair_virtual_tokens.labels(label)
-                queue = queues[tenant.pool.name]
                 counter.set_function(functools.partial(queue.fair.counter, tenant.name))
 
     def _limits_for(self, tenant: TenantRuntime) -> GateLimits:

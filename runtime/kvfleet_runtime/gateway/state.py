@@ -10,8 +10,10 @@ its content, counted, the last good snapshot stays), is the runtime's one rule:
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from kvfleet_runtime.config import (
     SLA_RANK,
+    YIELD_EVERY,
     KeyFile,
     PoolEntry,
     TenantEntry,
@@ -87,6 +90,10 @@ class GatewaySnapshot:
     key_index: dict[str, tuple[str, str]]
     #: Digests listed by more than one tenant: refused for every one of them.
     ambiguous_keys: frozenset[str] = frozenset()
+    #: The salt key the tenants' cache salts derive from (a reload reuses a tenant only under the same).
+    salt_key: bytes = b""
+    #: The key file it was built from (a reload with the same one and the same tenants keeps the index).
+    keys: KeyFile | None = None
 
     def authenticate(self, authorization: str | None) -> TenantRuntime | AuthFailure:
         """The one tenant owning the bearer key in ``authorization``, or why there is none.
@@ -117,24 +124,52 @@ class GatewaySnapshot:
         return self.tenants.get(hit[0]) or AuthFailure.UNKNOWN
 
 
-def build_snapshot(table: TenantTable, keys: KeyFile) -> GatewaySnapshot:
+def build_snapshot(
+    table: TenantTable, keys: KeyFile, previous: GatewaySnapshot | None = None
+) -> GatewaySnapshot:
     """Derive salts, budgets and the key index.
 
     Keys of tenants missing from the table are ignored, except that they still make a key ambiguous: a
     digest listed under more than one tenant name anywhere in the key file is routed for none of them,
     and a warning names the tenants (never the key or its digest).
+
+    ``previous``: the snapshot in force. A tenant whose entry is the same object (``TenantTable.reload``
+    keeps the unchanged ones), in an equal pool, under the same salt key keeps its ``TenantRuntime``, so
+    the gateway applies a reload to what changed alone (``Pipeline.apply_snapshot``).
     """
+    salt_key = keys.salt_key
+    unchanged_pools: set[str] = set()
+    if previous is not None and previous.salt_key == salt_key:
+        unchanged_pools = {n for n, p in table.pools.items() if previous.table.pools.get(n) == p}
     tenants: dict[str, TenantRuntime] = {}
-    for name, entry in table.tenants.items():
+    for i, (name, entry) in enumerate(table.tenants.items()):
+        if i % YIELD_EVERY == 0:
+            time.sleep(0)  # in the reload's thread: let the one that serves requests have the GIL
+        if entry.pool in unchanged_pools and previous is not None:
+            kept = previous.tenants.get(name)
+            if kept is not None and kept.entry is entry:
+                tenants[name] = kept
+                continue
         pool = table.pools[entry.pool]
         burst = entry.quota.hbm_burst_blocks
         tenants[name] = TenantRuntime(
             entry=entry,
             pool=pool,
-            cache_salt=derive_cache_salt(keys.salt_key, entry.salt_id),
+            cache_salt=derive_cache_salt(salt_key, entry.salt_id),
             models=frozenset(entry.models),
             kv_burst_blocks=burst if burst > 0 else None,
             max_model_len=pool.engine.max_model_len if pool.engine is not None else None,
+        )
+    if previous is not None and previous.keys is keys and previous.tenants.keys() == tenants.keys():
+        # The same key file (config_watch reuses it when its bytes did not change) and the same names:
+        # the same index; its warnings were logged when it was built.
+        return GatewaySnapshot(
+            table=table,
+            tenants=tenants,
+            key_index=previous.key_index,
+            ambiguous_keys=previous.ambiguous_keys,
+            salt_key=salt_key,
+            keys=keys,
         )
     owners: dict[str, set[str]] = {}
     for tenant, digests in keys.key_hashes.items():
@@ -147,14 +182,23 @@ def build_snapshot(table: TenantTable, keys: KeyFile) -> GatewaySnapshot:
             ", ".join(repr(n) for n in names),
         )
     key_index: dict[str, tuple[str, str]] = {}
-    for tenant, digests in keys.key_hashes.items():
+    for i, (tenant, digests) in enumerate(keys.key_hashes.items()):
+        if i % YIELD_EVERY == 0:
+            time.sleep(0)
         if tenant not in tenants:
             log.warning("key file lists tenant %r that the tenant table does not have; ignored", tenant)
             continue
         for digest in digests:
             if digest not in ambiguous:
                 key_index[digest] = (tenant, digest)
-    return GatewaySnapshot(table=table, tenants=tenants, key_index=key_index, ambiguous_keys=ambiguous)
+    return GatewaySnapshot(
+        table=table,
+        tenants=tenants,
+        key_index=key_index,
+        ambiguous_keys=ambiguous,
+        salt_key=salt_key,
+        keys=keys,
+    )
 
 
 def load_snapshot(config_path: Path, keys_path: Path) -> GatewaySnapshot:
@@ -180,20 +224,33 @@ class SnapshotReloader:
         )
         self._on_change = on_change
         self.interval_s = interval_s
+        #: The snapshot last handed on, which the next reuses the unchanged tenants of.
+        self._last: GatewaySnapshot | None = None
 
     def load_initial(self) -> GatewaySnapshot:
         """The first snapshot; raises (with the reason) so the process fails to start on bad config."""
-        return build_snapshot(*self.watcher.load())
+        self._last = build_snapshot(*self.watcher.load())
+        gc.freeze()
+        return self._last
 
     def _check(self) -> GatewaySnapshot | None:
         config = self.watcher.poll()
-        return None if config is None else build_snapshot(*config)
+        if config is None:
+            return None
+        snapshot = build_snapshot(*config, previous=self._last)
+        # The table's objects (tens of thousands at 10,000 tenants) live until the next reload: out of the
+        # cyclic collector's reach, whose full passes over them held the GIL 0.11 s and stalled every
+        # request (benchmarks/gateway/reload.py). They are still freed by reference counting; a table's
+        # objects form no cycles.
+        gc.freeze()
+        return snapshot
 
     async def poll_once(self) -> bool:
         """Check both files once; ``True`` when a new snapshot took effect."""
         snapshot = await asyncio.to_thread(self._check)
         if snapshot is None:
             return False
+        self._last = snapshot
         self._on_change(snapshot)
         return True
 
