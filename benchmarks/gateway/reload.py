@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import secrets
-import shlex
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,16 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: the results format
 
 from bench import MODEL, Processes, Target, free_port, run_load, wait_get_ok, wait_ready  # noqa: E402
-from results_format import Figure, Machine, Results, add_results_argument, measured, write_results  # noqa: E402
+from results_format import (  # noqa: E402
+    Figure,
+    Machine,
+    Results,
+    add_results_argument,
+    command_line,
+    measured,
+    name_of,
+    write_results,
+)
 
 from kvfleet_runtime.config import (  # noqa: E402
     KeyFile,
@@ -204,14 +212,9 @@ def to_results(args: argparse.Namespace, rows: list[dict[str, Any]], load: float
             [r["reloading"]["reloads"] for r in mine], "reloads"
         )
         figures[f"{tenants}_tenants.p99_ratio"] = Figure.of([r["p99_ratio"] for r in mine], "x steady")
-    argv = sys.argv[1:]
-    if "--results" in argv:
-        i = argv.index("--results")
-        argv = argv[:i] + argv[i + 2 :]
-    command = ".venv/bin/python benchmarks/gateway/reload.py " + shlex.join(argv)
     return measured(
-        name="gateway_reload",
-        command=command.strip(),
+        name=name_of(args.results),
+        command=command_line(),
         machine=Machine.here(load),
         figures=figures,
         details={

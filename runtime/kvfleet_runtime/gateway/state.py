@@ -14,7 +14,7 @@ import gc
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -163,14 +163,24 @@ def build_snapshot(
     if previous is not None and previous.keys is keys and previous.tenants.keys() == tenants.keys():
         # The same key file (config_watch reuses it when its bytes did not change) and the same names:
         # the same index; its warnings were logged when it was built.
-        return GatewaySnapshot(
-            table=table,
-            tenants=tenants,
-            key_index=previous.key_index,
-            ambiguous_keys=previous.ambiguous_keys,
-            salt_key=salt_key,
-            keys=keys,
-        )
+        key_index, ambiguous = previous.key_index, previous.ambiguous_keys
+    else:
+        key_index, ambiguous = _index_keys(keys, tenants)
+    return GatewaySnapshot(
+        table=table,
+        tenants=tenants,
+        key_index=key_index,
+        ambiguous_keys=ambiguous,
+        salt_key=salt_key,
+        keys=keys,
+    )
+
+
+def _index_keys(
+    keys: KeyFile, tenants: Mapping[str, TenantRuntime]
+) -> tuple[dict[str, tuple[str, str]], frozenset[str]]:
+    """Digest -> (tenant, digest) for the tenants of the table, and the digests listed by several tenants
+    (refused for all of them; each such group is named in a warning, never the key or its digest)."""
     owners: dict[str, set[str]] = {}
     for tenant, digests in keys.key_hashes.items():
         for digest in digests:
@@ -191,14 +201,7 @@ def build_snapshot(
         for digest in digests:
             if digest not in ambiguous:
                 key_index[digest] = (tenant, digest)
-    return GatewaySnapshot(
-        table=table,
-        tenants=tenants,
-        key_index=key_index,
-        ambiguous_keys=ambiguous,
-        salt_key=salt_key,
-        keys=keys,
-    )
+    return key_index, ambiguous
 
 
 def load_snapshot(config_path: Path, keys_path: Path) -> GatewaySnapshot:
