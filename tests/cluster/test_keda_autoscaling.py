@@ -42,7 +42,8 @@ PREMIUM_PER_REPLICA = 4
 #: polls every 2 s, the HPA controller evaluates every 3 s (devcluster.cluster.HPA_SYNC_PERIOD_S).
 STEP_S = 90
 #: What each engine replica is given at once (spec.gateway.engineInFlightPerReplica): the seats the
-#: guarantee floor counts per replica; tenant-saas.yaml's maxConcurrent 64 then needs FLOOR replicas.
+#: guarantee floor counts per replica; tenant-saas.yaml's maxConcurrent 64 then needs FLOOR replicas, which
+#: the fake GPU nodes (4 x 8 GPUs, 8 per replica) have room for.
 SEATS_PER_REPLICA = 24
 FLOOR = 3
 #: The operator as the chart runs it with rbac.keda=true (KVFLEET_EXPOSURE_KINDS=ScaledObject).
@@ -229,16 +230,23 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         assert get(full_cluster, md_path)["spec"]["pool"]["replicas"] == 2
 
         # The guarantee floor (build/autoscaling.py): a standard-tier tenant promised 64 requests at once,
-        # at SEATS_PER_REPLICA per replica, needs 3 replicas. The reconcile runs 3 at once and makes 3 the
+        # at SEATS_PER_REPLICA per replica, needs 3 replicas; two cannot seat it, so it waits
+        # (WaitingForCapacity) and its seats raise the floor. The reconcile runs 3 at once and makes 3 the
         # ScaledObject's minimum; KEDA carries it to the HPA, which writes it to spec.pool.replicas.
         create(full_cluster, load_example("tenant-saas.yaml", ns))
         result, _ = reconcile(full_cluster, ns, MD, KEDA_RIGHTS)
         assert not result.problem, result.problem
-        sts = get(full_cluster, f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-engine")
-        assert sts["spec"]["replicas"] == FLOOR
+        sts_path = f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-engine"
+        assert get(full_cluster, sts_path)["spec"]["replicas"] == FLOOR
         md = get(full_cluster, md_path)
-        assert md["status"]["guaranteed"]["seats"] == 64 and md["status"]["guaranteed"]["replicas"] == FLOOR
+        assert md["status"]["guaranteed"]["waitingSeats"] == 64, md["status"]["guaranteed"]
+        assert md["status"]["guaranteed"]["seats"] == 0 and md["status"]["guaranteed"]["replicas"] == FLOOR
         assert md["status"]["replicas"] == FLOOR  # what the scale subresource tells the HPA runs
+        tenant_path = f"{API}/namespaces/{ns}/tenants/saas"
+        waiting = _condition(get(full_cluster, tenant_path), "Ready")
+        assert waiting.get("reason") == "WaitingForCapacity", waiting
+        assert "need 3 ready replicas at 24 per replica" in waiting["message"], waiting
+        assert "admittedQuota" not in get(full_cluster, tenant_path)["status"]
         # `kubectl get md` shows it (the CRD's printer column, as the API server serves the table).
         table = kubectl(full_cluster, "get", "md", MD, "-n", ns)
         header, row = table.splitlines()[:2]
@@ -254,6 +262,21 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
             timeout=STEP_S,
             what="the HPA raising spec.pool.replicas to the floor",
         )
+        # Capacity arrives: kwok runs the third engine pod (the fake GPU nodes have room for it) and the
+        # StatefulSet counts it ready; the next reconcile (a pod turning ready wakes the operator's) admits
+        # the waiting tenant, and its seats are promised from then on.
+        wait_for(
+            lambda: ((get(full_cluster, sts_path).get("status") or {}).get("readyReplicas") or 0) >= FLOOR,
+            timeout=STEP_S,
+            what=f"{FLOOR} engine replicas ready on the fake GPU nodes",
+        )
+        result, _ = reconcile(full_cluster, ns, MD, KEDA_RIGHTS)
+        assert not result.problem, result.problem
+        guaranteed = get(full_cluster, md_path)["status"]["guaranteed"]
+        assert (guaranteed["seats"], guaranteed["waitingSeats"], guaranteed["replicas"]) == (64, 0, FLOOR)
+        admitted = get(full_cluster, tenant_path)
+        assert admitted["status"].get("admittedQuota"), admitted["status"]
+        assert _condition(admitted, "Ready").get("reason") != "WaitingForCapacity", admitted["status"]
         # The queue empties: every signal reads 0, and the HPA still does not go below the floor.
         queue.set(0)
         quiet = wait_for(lambda: reading("0"), timeout=STEP_S, what="the HPA reading every signal at 0 again")

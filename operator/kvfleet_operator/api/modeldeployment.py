@@ -1943,8 +1943,16 @@ class GuaranteeStatus(CrdModel):
         int,
         Field(
             ge=0,
-            description="The guarantee floor: shared-pool replicas those seats need. With autoscaling the "
-            "pool never scales in below it (within minReplicas..maxReplicas).",
+            description="The guarantee floor: shared-pool replicas those seats and the waiting seats need. "
+            "With autoscaling the pool never scales in below it (within minReplicas..maxReplicas).",
+        ),
+    ] = 0
+    waiting_seats: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="Concurrent requests of premium and standard tenants that wait for the autoscaled "
+            "pool's replicas to be ready (WaitingForCapacity); admitted, in order, once they are.",
         ),
     ] = 0
 

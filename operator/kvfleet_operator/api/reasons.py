@@ -85,6 +85,20 @@ MODEL_DEPLOYMENT_DELETING: Final = "ModelDeploymentDeleting"
 """Tenant: its ModelDeployment is being deleted and waits for its tenants (a finalizer holds it). Delete
 the tenant or point ``spec.modelDeploymentRef`` at another ModelDeployment."""
 
+WAITING_FOR_CAPACITY: Final = "WaitingForCapacity"
+"""Tenant (``Progressing``; not served yet): the ModelDeployment autoscales (``spec.pool.autoscaling``) and
+the tenant's guaranteed concurrency (premium or standard, ``rateLimits.maxConcurrent``) does not fit the
+seats of the shared pool's ready replicas beside what tenants admitted before are promised. Its seats count
+in the guarantee floor, so the pool scales out for it (up to ``maxReplicas``); it is admitted when those
+replicas are ready, premium before standard, then oldest first. Its KV quota is kept for it meanwhile.
+Nothing to do but wait; the message gives the seats and replicas."""
+
+CONCURRENCY_EXCEEDS_CAPACITY: Final = "ConcurrencyExceedsCapacity"
+"""Tenant (``Degraded``; not served): on an autoscaled ModelDeployment, the tenant's guaranteed concurrency
+(``rateLimits.maxConcurrent``) does not fit even at ``spec.pool.autoscaling.maxReplicas`` beside what the
+tenants admitted before and those waiting ahead of it are promised. Nothing was applied for it. Raise
+maxReplicas (or ``spec.gateway.engineInFlightPerReplica``), or lower the tenant's ``maxConcurrent``."""
+
 CAPACITY_UNKNOWN: Final = "CapacityUnknown"
 """ModelDeployment: the pool cannot be sized (the model does not fit, no ``spec.pool.gpuMemory``, a CPU
 engine without ``spec.pool.cpuKvCacheSpace``), so no tenant can be admitted. Follow the message;
@@ -155,6 +169,8 @@ CONDITION_REASONS: Final = (
     MODEL_DEPLOYMENT_NOT_READY,
     QUOTA_EXCEEDS_CAPACITY,
     QUOTA_CHANGE_REFUSED,
+    WAITING_FOR_CAPACITY,
+    CONCURRENCY_EXCEEDS_CAPACITY,
     API_KEY_SECRET_NOT_FOUND,
     API_KEY_SECRET_NOT_LABELLED,
     API_KEY_TOO_WEAK,

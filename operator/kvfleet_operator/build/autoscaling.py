@@ -29,13 +29,30 @@ at once (``spec.gateway.engineInFlightPerReplica``; else ``spec.engine.maxNumSeq
 minReplicas..maxReplicas), so the HPA never scales in below it, and the engine StatefulSet runs at least
 that many whatever ``spec.pool.replicas`` says; ``status.guaranteed`` shows it (``kubectl get md``: FLOOR).
 Best-effort (basic) tenants and tenants without ``maxConcurrent`` are promised no seats and add nothing.
+
+**Scale-out admits waiting tenants** (:func:`admit_seats`). On an autoscaled pool a seat is promised only
+when it exists: a new guaranteed-tier tenant (one without ``status.admittedQuota``) whose KV quota fits is
+admitted only if its seats fit those of the shared pool's *ready* replicas (``readyReplicas`` of the engine
+StatefulSet, less any leaving in a drain) beside the seats already promised. Otherwise it waits
+(``WaitingForCapacity``): its seats join the floor, so the operator runs (and the ScaledObject keeps) the
+replicas they need, up to maxReplicas, and the first reconcile after those replicas are ready admits it.
+Waiting tenants are admitted in a stated order: premium before standard, then oldest first (creation time,
+then name), and strictly: a tenant is not admitted ahead of one before it that still waits. A tenant whose
+seats do not fit even at maxReplicas (beside those admitted and those waiting ahead of it) waits for
+nothing the autoscaler can do: it is refused (``ConcurrencyExceedsCapacity``) and holds back no one.
+Tenants admitted before keep their seats whatever happens to the replicas (admission is sticky, like KV
+quotas); a raise of an admitted tenant's ``maxConcurrent`` raises the floor and is not held back. A waiting
+tenant keeps the KV room its quota took in admission (``build/tenant_table.py``), so the room is there
+when its seats are. Without autoscaling nothing waits for seats: the floor is only reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvfleet_operator.api import reasons
 from kvfleet_operator.api.modeldeployment import KIND_MODEL_DEPLOYMENT, ModelDeployment, PoolAutoscaling
 from kvfleet_operator.api.tenant import Tenant
 from kvfleet_operator.build.common import (
@@ -48,7 +65,7 @@ from kvfleet_operator.build.common import (
     metadata,
     object_labels,
 )
-from kvfleet_operator.build.tenant_table import TenantDecision
+from kvfleet_operator.build.tenant_table import TenantDecision, admitted_terms, creation_order
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 SCALED_OBJECT = "ScaledObject"
@@ -75,25 +92,29 @@ DEFAULT_SEATS_PER_REPLICA = 256
 
 @dataclass(frozen=True)
 class GuaranteeFloor:
-    """The shared pool's floor: ``seats`` promised to admitted guaranteed-tier tenants, ``per_replica``
-    seats each replica offers, and ``replicas`` they need (``ceil(seats / per_replica)``; 0 without seats)."""
+    """The shared pool's floor: ``seats`` promised to admitted guaranteed-tier tenants, ``waiting`` seats of
+    tenants that wait for replicas (:func:`admit_seats`), ``per_replica`` seats each replica offers, and
+    ``replicas`` all of them need (``ceil((seats + waiting) / per_replica)``; 0 without seats)."""
 
     seats: int
     per_replica: int
     replicas: int
+    waiting: int = 0
 
     def minimum(self, autoscaling: PoolAutoscaling) -> int:
         """The ScaledObject's ``minReplicaCount``: the floor, within minReplicas..maxReplicas."""
         return min(max(autoscaling.min_replicas, self.replicas), autoscaling.max_replicas)
 
     def unmet(self, autoscaling: PoolAutoscaling) -> str | None:
-        """Why autoscaling cannot keep the pool at the floor (it still serves), or ``None``: the floor is
-        above maxReplicas. Without autoscaling the floor is reported only (``status.guaranteed``)."""
-        if not autoscaling.enabled or self.replicas <= autoscaling.max_replicas:
+        """Why autoscaling cannot keep the pool at the floor (it still serves), or ``None``: the seats
+        promised to admitted tenants need more than maxReplicas (waiting tenants never do: those that could
+        not fit are refused). Without autoscaling the floor is reported only (``status.guaranteed``)."""
+        promised = -(-self.seats // self.per_replica)
+        if not autoscaling.enabled or promised <= autoscaling.max_replicas:
             return None
         return (
             f"the guaranteed tiers' tenants are promised {self.seats} concurrent requests, which need "
-            f"{self.replicas} replicas at {self.per_replica} per replica; spec.pool.autoscaling.maxReplicas "
+            f"{promised} replicas at {self.per_replica} per replica; spec.pool.autoscaling.maxReplicas "
             f"is {autoscaling.max_replicas}. Raise it, or lower those tenants' rateLimits.maxConcurrent."
         )
 
@@ -106,18 +127,92 @@ def seats_per_replica(md: ModelDeployment) -> int:
     return md.spec.engine.max_num_seqs or DEFAULT_SEATS_PER_REPLICA
 
 
+def tenant_seats(tenant: Tenant) -> int:
+    """The concurrent requests ``tenant`` is promised: a guaranteed tier's ``rateLimits.maxConcurrent``."""
+    if tenant.spec.tier.value not in GUARANTEED_TIERS:
+        return 0
+    return tenant.spec.rate_limits.max_concurrent or 0
+
+
+def _seat_order(tenant: Tenant) -> tuple[int, str, str]:
+    """Premium before standard, then oldest first."""
+    return (GUARANTEED_TIERS.index(tenant.spec.tier.value), *creation_order(tenant))
+
+
+def admit_seats(
+    md: ModelDeployment, tenants: Sequence[Tenant], decisions: Sequence[TenantDecision], ready_replicas: int
+) -> list[TenantDecision]:
+    """``decisions`` (KV admission's, ``build/tenant_table.admit_tenants``) with the new guaranteed-tier
+    tenants whose seats the shared pool's ``ready_replicas`` cannot seat yet turned into waiting (or, when
+    not even maxReplicas could, refused) decisions; see the module docstring. Unchanged without
+    autoscaling."""
+    autoscaling = md.spec.pool.autoscaling
+    if not autoscaling.enabled:
+        return list(decisions)
+    by_name = {str(t.metadata.get("name")): t for t in tenants}
+    per_replica = seats_per_replica(md)
+    ready_seats = ready_replicas * per_replica
+    most_seats = autoscaling.max_replicas * per_replica
+    admitted = [d.name for d in decisions if d.admitted and d.pool == SHARED_POOL and d.name in by_name]
+    shared = [by_name[name] for name in admitted]
+    promised = sum(tenant_seats(t) for t in shared if admitted_terms(t) is not None)
+    claims = sorted((t for t in shared if admitted_terms(t) is None and tenant_seats(t)), key=_seat_order)
+    changed: dict[str, TenantDecision] = {}
+    ahead = 0  # seats of the tenants that wait ahead in the order
+    for tenant in claims:
+        name, seats = str(tenant.metadata["name"]), tenant_seats(tenant)
+        figures = (
+            f"its {seats} concurrent requests ({tenant.spec.tier.value}, rateLimits.maxConcurrent) beside "
+            f"the {promised} promised to tenants admitted before"
+            + (f" and {ahead} to tenants waiting ahead of it" if ahead else "")
+        )
+        if promised + ahead + seats > most_seats:
+            changed[name] = _not_admitted(
+                by_name,
+                name,
+                decisions,
+                reasons.CONCURRENCY_EXCEEDS_CAPACITY,
+                f"{figures} need {-(-(promised + ahead + seats) // per_replica)} replicas at {per_replica} "
+                f"per replica; spec.pool.autoscaling.maxReplicas is {autoscaling.max_replicas}. Raise it, or "
+                "lower spec.rateLimits.maxConcurrent. Nothing was applied for this tenant.",
+            )
+        elif ahead == 0 and promised + seats <= ready_seats:
+            promised += seats
+        else:
+            ahead += seats
+            need = -(-(promised + ahead) // per_replica)
+            changed[name] = _not_admitted(
+                by_name,
+                name,
+                decisions,
+                reasons.WAITING_FOR_CAPACITY,
+                f"{figures} need {need} ready replicas at {per_replica} per replica; {ready_replicas} are "
+                f"ready. The pool scales out to {need}; the tenant is admitted when they are ready.",
+            )
+    return [changed.get(d.name, d) for d in decisions]
+
+
+def _not_admitted(
+    by_name: dict[str, Tenant], name: str, decisions: Sequence[TenantDecision], reason: str, message: str
+) -> TenantDecision:
+    decision = next(d for d in decisions if d.name == name)
+    return dataclasses.replace(
+        decision, admitted=False, reason=reason, message=message, quota=None, terms=None, refused=None
+    )
+
+
 def compute_guarantee_floor(
     md: ModelDeployment, tenants: Sequence[Tenant], decisions: Sequence[TenantDecision]
 ) -> GuaranteeFloor:
-    """The floor from the tenants admission placed on the shared pool."""
-    admitted = {d.name for d in decisions if d.admitted and d.pool == SHARED_POOL}
-    seats = sum(
-        t.spec.rate_limits.max_concurrent or 0
-        for t in tenants
-        if str(t.metadata.get("name")) in admitted and t.spec.tier.value in GUARANTEED_TIERS
-    )
+    """The floor from the tenants admission placed on the shared pool, and those waiting for seats."""
+    by_name = {str(t.metadata.get("name")): t for t in tenants}
+    shared = [d for d in decisions if d.pool == SHARED_POOL and d.name in by_name]
+    seats = sum(tenant_seats(by_name[d.name]) for d in shared if d.admitted)
+    waiting = sum(tenant_seats(by_name[d.name]) for d in shared if d.reason == reasons.WAITING_FOR_CAPACITY)
     per_replica = seats_per_replica(md)
-    return GuaranteeFloor(seats=seats, per_replica=per_replica, replicas=-(-seats // per_replica))
+    return GuaranteeFloor(
+        seats=seats, per_replica=per_replica, replicas=-(-(seats + waiting) // per_replica), waiting=waiting
+    )
 
 
 def shared_replicas(md: ModelDeployment, floor: GuaranteeFloor) -> int:

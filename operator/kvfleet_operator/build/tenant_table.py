@@ -159,7 +159,7 @@ def _hbm_blocks(amount: int | str, capacity: PoolCapacity) -> int:
     return compute_blocks_for_share(amount, capacity.hbm_blocks)
 
 
-def _creation_order(tenant: Tenant) -> tuple[str, str]:
+def creation_order(tenant: Tenant) -> tuple[str, str]:
     meta = tenant.metadata
     return (str(meta.get("creationTimestamp", "")), str(meta.get("name", "")))
 
@@ -309,7 +309,7 @@ def admit_tenants(
             requested=requested,
         )
 
-    for tenant in sorted([*tenants, *held], key=_creation_order):
+    for tenant in sorted([*tenants, *held], key=creation_order):
         name = str(tenant.metadata["name"])
         dedicated = tenant.spec.isolation.value == Isolation.DEDICATED.value
         pool_name = dedicated_pool_name(name) if dedicated else SHARED_POOL
@@ -353,7 +353,7 @@ def admit_tenants(
                 + "; ".join(problems)
                 + f". It keeps serving at its admitted quota ({_describe(previous)}).",
             )
-    return [decisions[str(t.metadata["name"])] for t in sorted(tenants, key=_creation_order)]
+    return [decisions[str(t.metadata["name"])] for t in sorted(tenants, key=creation_order)]
 
 
 def model_path(md: ModelDeployment) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Final
 from kvfleet_operator import metrics
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
 from kvfleet_operator.api.units import parse_duration
+from kvfleet_operator.build.autoscaling import admit_seats
 from kvfleet_operator.build.common import (
     LABEL_TENANT,
     SHARED_POOL,
@@ -81,7 +82,7 @@ from kvfleet_operator.reconcile.capacity import (
     owned_engine_pods,
 )
 from kvfleet_operator.reconcile.conditions import DEGRADED, ConditionUpdate, now_rfc3339
-from kvfleet_operator.reconcile.drain import compute_drains, drain_annotation
+from kvfleet_operator.reconcile.drain import compute_drains, drain_annotation, serving_ready_replicas
 from kvfleet_operator.reconcile.node_loss import (
     ENGINE_POD_REPLACED,
     ENGINE_POD_STUCK_ON_LOST_NODE,
@@ -388,9 +389,15 @@ async def read_engine_capacity(client: KubeClient, c: Cycle) -> None:
 
 
 async def admit(client: KubeClient, c: Cycle) -> None:
-    """Sticky, then first come, first served (``build/tenant_table.py``); no capacity, no admission."""
-    if c.capacity is not None:
-        c.decisions = admit_tenants(c.capacity, c.tenants, held=c.key_refused)
+    """Sticky, then first come, first served (``build/tenant_table.py``); no capacity, no admission. On an
+    autoscaled pool a new guaranteed-tier tenant also needs seats on ready replicas, or waits for them
+    (``build/autoscaling.admit_seats``; the live StatefulSet is among the children read before)."""
+    if c.capacity is None or c.md is None:
+        return
+    decisions = admit_tenants(c.capacity, c.tenants, held=c.key_refused)
+    shared = engine_name(c.name, SHARED_POOL)
+    engines = st.live_child(c.children, "StatefulSet", shared)
+    c.decisions = admit_seats(c.md, c.tenants, decisions, serving_ready_replicas(engines))
 
 
 async def generate_api_keys(client: KubeClient, c: Cycle) -> None:
@@ -695,9 +702,9 @@ STEPS: Final[tuple[Step, ...]] = (
     resolve_keys,
     size_pool,
     read_engine_capacity,
+    read_children,
     admit,
     generate_api_keys,
-    read_children,
     build_desired,
     read_nodes,
     plan,

@@ -30,7 +30,14 @@ from typing import Any
 
 from kvfleet_operator.build.common import ANNOTATION_DRAIN
 
-__all__ = ["Drain", "compute_drain", "compute_drains", "drain_annotation", "parse_drain"]
+__all__ = [
+    "Drain",
+    "compute_drain",
+    "compute_drains",
+    "drain_annotation",
+    "parse_drain",
+    "serving_ready_replicas",
+]
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,16 @@ def parse_drain(statefulset: dict[str, Any] | None) -> tuple[int, int | None, st
     except (TypeError, ValueError, KeyError):
         return replicas, None, None
     return replicas, serving, since
+
+
+def serving_ready_replicas(statefulset: dict[str, Any] | None) -> int:
+    """The replicas of a live engine StatefulSet that are ready and stay: its ``readyReplicas``, never more
+    than the replicas a drain keeps in the table (the leaving ones take no new requests)."""
+    if statefulset is None:
+        return 0
+    ready = int((statefulset.get("status") or {}).get("readyReplicas") or 0)
+    _, serving, _ = parse_drain(statefulset)
+    return ready if serving is None else min(ready, serving)
 
 
 def compute_drain(desired: int, statefulset: dict[str, Any] | None, now: str, grace_s: float) -> Drain | None:

@@ -76,7 +76,7 @@ def shared_tier_readiness(md: ModelDeployment, children: Sequence[Obj]) -> Workl
     the ModelDeployment has no tier. The shared pool's replicas use it: no pool is ready without it."""
     if not shared_tier_bytes(md):
         return None
-    return readiness_of(_live(children, "Deployment", shared_tier_name(str(md.metadata["name"]))), 1)
+    return readiness_of(live_child(children, "Deployment", shared_tier_name(str(md.metadata["name"]))), 1)
 
 
 def problem(reason: str, message: str) -> ConditionUpdate:
@@ -252,6 +252,7 @@ def compute_model_deployment_status(
             nvme_bytes=sum(d.quota.nvme_bytes for d in shared if d.quota),
             seats=floor.seats if floor is not None else 0,
             replicas=floor.replicas if floor is not None else 0,
+            waiting_seats=floor.waiting if floor is not None else 0,
         )
     return status.model_dump(by_alias=True, mode="json", exclude_none=True)
 
@@ -318,6 +319,8 @@ def compute_tenant_status(
             if problem.status == "Unknown"
             else failed(problem.reason, problem.message)
         )
+    elif decision is not None and decision.reason == reasons.WAITING_FOR_CAPACITY:
+        updates = progressing(decision.reason, decision.message)  # the pool scales out for it
     elif decision is None or not decision.admitted:
         reason = decision.reason if decision else reasons.INVALID_SPEC
         updates = failed(reason, decision.message if decision else "Not admitted.")
@@ -395,7 +398,8 @@ def compute_unserved_statuses(
     return [StatusWrite(kinds.MODEL_DEPLOYMENT, raw_md, compute_failure_status(raw_md, md_problem, now))]
 
 
-def _live(children: Sequence[Obj], kind: str, name: str) -> Obj | None:
+def live_child(children: Sequence[Obj], kind: str, name: str) -> Obj | None:
+    """The child of ``kind`` named ``name`` among the live ``children``, or ``None``."""
     return next((o for o in children if o["kind"] == kind and o["metadata"]["name"] == name), None)
 
 
@@ -403,10 +407,10 @@ def front_door_readiness(md: ModelDeployment, children: Sequence[Obj]) -> Worklo
     """The gateway's replicas that serve: with an Endpoint Picker (the Envoy data plane, InferencePools),
     a gateway replica serves only with a picker replica beside it, so the fewer of the two."""
     name = str(md.metadata["name"])
-    gateway = readiness_of(_live(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
+    gateway = readiness_of(live_child(children, "Deployment", gateway_name(name)), md.spec.gateway.replicas)
     if not runs_endpoint_picker(md):
         return gateway
-    picker = readiness_of(_live(children, "Deployment", epp_name(name)), md.spec.gateway.replicas)
+    picker = readiness_of(live_child(children, "Deployment", epp_name(name)), md.spec.gateway.replicas)
     return WorkloadReadiness(wanted=gateway.wanted, ready=min(gateway.ready, picker.ready))
 
 
@@ -422,10 +426,10 @@ def compute_tenant_pool_ready(
     gateway = front_door_readiness(md, children)
     if decision is not None and decision.pool != SHARED_POOL:
         wanted = tenant.spec.dedicated.replicas if tenant.spec.dedicated else 1
-        engines = readiness_of(_live(children, "StatefulSet", engine_name(name, decision.pool)), wanted)
+        engines = readiness_of(live_child(children, "StatefulSet", engine_name(name, decision.pool)), wanted)
     else:
         engines = readiness_of(
-            _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
+            live_child(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
         )
         tier = shared_tier_readiness(md, children)
         if tier is not None and not tier.is_ready:
@@ -472,7 +476,7 @@ def compute_served_statuses(
     name = str(md.metadata["name"])
     floor = compute_guarantee_floor(md, tenants, decisions)
     engines = readiness_of(
-        _live(children, "StatefulSet", engine_name(name, SHARED_POOL)), shared_replicas(md, floor)
+        live_child(children, "StatefulSet", engine_name(name, SHARED_POOL)), shared_replicas(md, floor)
     )
     gateway = front_door_readiness(md, children)
     writes = [
