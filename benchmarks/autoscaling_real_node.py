@@ -69,6 +69,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,7 +362,7 @@ class OpenLoop:
         timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
         tasks: set[asyncio.Task[None]] = set()
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            rate, next_at, i = 0.0, 0.0, 0
+            rate, next_at, i = 0.0, float("inf"), 0
             while not self._stop.is_set():
                 now = time.monotonic()
                 if self.rate != rate:
@@ -431,7 +432,7 @@ def complete_once(url: str, model: str, key: str, max_tokens: int) -> float:
 
 def _get(url: str) -> str | None:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - pod metrics over http
+        with urllib.request.urlopen(url, timeout=3) as resp:  # noqa: S310 - pod metrics over http
             return str(resp.read().decode())
     except OSError:
         return None
@@ -446,6 +447,7 @@ class Observer:
         self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="observer", daemon=True)
+        self._pool = ThreadPoolExecutor(6, thread_name_prefix="observer")
 
     def start(self) -> None:
         self._thread.start()
@@ -453,6 +455,7 @@ class Observer:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+        self._pool.shutdown(wait=False)
 
     def latest(self) -> Sample | None:
         return self.samples[-1] if self.samples else None
@@ -472,49 +475,48 @@ class Observer:
             self._stop.wait(max(0.0, POLL_S - (time.monotonic() - started)))
 
     def sample(self) -> Sample:
+        """One sample: the API objects at once, then every pod's metrics at once (a slow metrics answer
+        under load delays the sample, never the next request of the others)."""
         s = Sample(t=time.time())
-        md = self._get(KMD)
+        paths = (KMD, KSTS, KCM, f"/api/v1/namespaces/{NS}/pods")
+        md, sts, cm, pod_list = self._pool.map(self._get, paths)
         if md:
             s.md_replicas = md["spec"]["pool"].get("replicas")
-        sts = self._get(KSTS)
         if sts:
             s.sts_replicas = sts["spec"].get("replicas")
             s.draining = "kvfleet.io/drain" in (sts["metadata"].get("annotations") or {})
-        cm = self._get(KCM)
         if cm:
             table = json.loads(cm["data"]["tenants.json"])
             s.endpoints = len(table["pools"]["shared"]["endpoints"])
-        pod_list = self._get(f"/api/v1/namespaces/{NS}/pods") or {"items": []}
-        for pod in pod_list["items"]:
-            name, component = (
-                pod["metadata"]["name"],
-                pod["metadata"].get("labels", {}).get("app.kubernetes.io/component"),
-            )
+        scrapes: dict[str, str] = {}  # pod -> its metrics URL
+        gateways: set[str] = set()
+        for pod in (pod_list or {"items": []})["items"]:
+            meta = pod["metadata"]
+            name, component = meta["name"], meta.get("labels", {}).get("app.kubernetes.io/component")
             ip = (pod.get("status") or {}).get("podIP")
             if component == "engine":
-                ready = any(
-                    c["type"] == "Ready" and c["status"] == "True"
-                    for c in pod["status"].get("conditions") or []
-                )
-                s.engines[name] = (
-                    "terminating"
-                    if pod["metadata"].get("deletionTimestamp")
-                    else "ready"
-                    if ready
-                    else "starting"
-                )
-                text = _get(f"http://{ip}:{ENGINE_METRICS_PORT}/metrics") if ip else None
-                if text is not None:
-                    s.served[name] = metric_sum(text, SERVED)
-            elif component == "gateway" and ip and not pod["metadata"].get("deletionTimestamp"):
-                text = _get(f"http://{ip}:{GATEWAY_METRICS_PORT}/metrics")
-                if text is not None:
-                    s.gw_reloads = metric_sum(text, RELOADS)
-                    s.gw_queue_premium = metric_sum(text, QUEUE_DEPTH, sla_tier="premium")
-                    s.gw_upstream_errors = metric_sum(text, UPSTREAM_ERRORS)
-                    s.gw_healthy = {
-                        labels.get("replica", ""): v for labels, v in metric_values(text, REPLICA_HEALTHY)
-                    }
+                conditions = pod["status"].get("conditions") or []
+                ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+                deleting = bool(meta.get("deletionTimestamp"))
+                s.engines[name] = "terminating" if deleting else "ready" if ready else "starting"
+                if ip:
+                    scrapes[name] = f"http://{ip}:{ENGINE_METRICS_PORT}/metrics"
+            elif component == "gateway" and ip and not meta.get("deletionTimestamp"):
+                scrapes[name] = f"http://{ip}:{GATEWAY_METRICS_PORT}/metrics"
+                gateways.add(name)
+        texts = dict(zip(scrapes, self._pool.map(_get, scrapes.values()), strict=True))
+        for name, text in texts.items():
+            if text is None:
+                continue
+            if name not in gateways:
+                s.served[name] = metric_sum(text, SERVED)
+                continue
+            s.gw_reloads = metric_sum(text, RELOADS)
+            s.gw_queue_premium = metric_sum(text, QUEUE_DEPTH, sla_tier="premium")
+            s.gw_upstream_errors = metric_sum(text, UPSTREAM_ERRORS)
+            s.gw_healthy = {
+                labels.get("replica", ""): v for labels, v in metric_values(text, REPLICA_HEALTHY)
+            }
         return s
 
 
@@ -630,7 +632,7 @@ def gateway_log(plane: Any) -> list[str]:
         check=False,
     )
     keep = ("WARNING", "ERROR", "healthy", "configuration loaded", "Traceback")
-    return [line for line in text.splitlines() if any(k in line for k in keep)][-300:]
+    return [line for line in text.splitlines() if any(k in line for k in keep)][-120:]
 
 
 def figures_of(
