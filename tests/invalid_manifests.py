@@ -860,6 +860,19 @@ INVALID_MANIFESTS: Final[tuple[InvalidManifestCase, ...]] = (
         S,
     ),
     _tn(
+        "tn-dedicated-autoscaling-bounds",
+        "dedicated autoscaling with minReplicas above maxReplicas",
+        {
+            "spec.isolation": "dedicated",
+            "spec.dedicated": {
+                "gpuGroup": "bank-h200",
+                "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2},
+            },
+        },
+        "spec.dedicated.autoscaling",
+        C,
+    ),
+    _tn(
         "tn-dedicated-bad-group",
         "GPU group not a DNS label",
         {"spec.isolation": "dedicated", "spec.dedicated": {"gpuGroup": "Bank_H200"}},

@@ -480,6 +480,13 @@ def test_a_user_who_may_not_create_pods_may_not_create_a_model_deployment(team: 
             "scaledobjects",
             id="autoscaling",
         ),
+        pytest.param(
+            # Enabled or not: a dedicated tenant's spec.dedicated.autoscaling makes KEDA query it.
+            {"autoscaling": {"prometheusAddress": "http://attacker.example:9090"}},
+            "keda.sh",
+            "scaledobjects",
+            id="prometheus-address",
+        ),
     ],
 )
 def test_exposure_needs_the_users_own_right_on_what_it_creates(
@@ -488,7 +495,8 @@ def test_exposure_needs_the_users_own_right_on_what_it_creates(
     """Attack: a user who may create pods but not Services, Ingresses, HTTPRoutes, InferencePools or KEDA
     ScaledObjects asks the operator for a load balancer, Service annotations, an Ingress, an HTTPRoute, an
     InferencePool or autoscaling (KEDA would query the Prometheus address he names, with KEDA's network
-    reach). Refused naming the resource; with the right granted, admitted."""
+    reach; a dedicated tenant's autoscaling makes it query the address even where the shared pool does not
+    autoscale). Refused naming the resource; with the right granted, admitted."""
     doc = _tiny(team.namespace, f"x-{resource}")
     if "autoscaling" in exposure:
         doc = _set(doc, "pool.autoscaling", copy.deepcopy(exposure["autoscaling"]))

@@ -81,7 +81,12 @@ def test_crd_metadata() -> None:
     assert md["spec"]["names"]["shortNames"] == ["md"]
     assert tn["spec"]["names"]["shortNames"] == ["tn"]
     assert md["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.pool.replicas"
-    assert "scale" not in tn["spec"]["versions"][0]["subresources"]
+    # A dedicated pool's replicas, for KEDA's HPA (spec.dedicated.autoscaling).
+    assert tn["spec"]["versions"][0]["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.dedicated.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     columns = {
         kind: [c["name"].upper() for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
         for kind, crd in crds.items()

@@ -160,6 +160,14 @@ CRDS: tuple[CrdDefinition, ...] = (
             {"name": "Ready", "type": "string", "jsonPath": _READY, "description": "Ready condition."},
             _AGE,
         ),
+        # A dedicated pool's replicas, for KEDA's HPA (spec.dedicated.autoscaling). A Tenant without
+        # spec.dedicated has none: its scale reads 0, and a write would add spec.dedicated, which the schema
+        # refuses there.
+        scale={
+            "specReplicasPath": ".spec.dedicated.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
     ),
 )
 

@@ -116,7 +116,21 @@ AUTOSCALING_UNAVAILABLE: Final = "AutoscalingUnavailable"
 """ModelDeployment (``Degraded``; still serving): ``spec.pool.autoscaling`` asks for a KEDA ScaledObject, but
 the chart grants the operator no rights on scaledobjects (``rbac.keda``) or the cluster runs no KEDA
 (keda.sh/v1alpha1 is not served); the message says which. Nothing scales the pool meanwhile:
-``spec.pool.replicas`` is what runs."""
+``spec.pool.replicas`` is what runs. Tenant (``Degraded``; still serving): the same for its dedicated pool's
+``spec.dedicated.autoscaling``, or its ModelDeployment sets no ``spec.pool.autoscaling.prometheusAddress``
+(the Prometheus KEDA reads a dedicated pool's signals from); ``spec.dedicated.replicas`` is what runs."""
+
+MAX_REPLICAS_CLAMPED: Final = "MaxReplicasClamped"
+"""Tenant (``Degraded``; still serving): ``spec.dedicated.autoscaling.maxReplicas`` is more than the tenant's
+GPU group holds (its Ready, uncordoned nodes that can run the pool's pods: their GPUs over
+``gpusPerReplica``, or the CPU and memory requests where those are scarcer), so the ScaledObject's maximum
+and the StatefulSet's replicas are clamped to what it holds; the message gives the figures. Add nodes to the
+group, uncordon them, or lower maxReplicas."""
+
+GROUP_CAPACITY_UNKNOWN: Final = "GroupCapacityUnknown"
+"""Tenant (``Degraded``; still serving): its dedicated pool autoscales, but the operator may not list nodes
+(the chart's ``rbac.readNodes`` is off), so what its GPU group holds is unknown and maxReplicas is not
+clamped to it: replicas beyond what the group holds stay Pending. Turn ``rbac.readNodes`` on."""
 
 GUARANTEE_FLOOR_UNMET: Final = "GuaranteeFloorUnmet"
 """ModelDeployment (``Degraded``; still serving): the concurrency the guaranteed tiers' admitted tenants are
@@ -184,6 +198,8 @@ CONDITION_REASONS: Final = (
     CAPACITY_BELOW_PLAN,
     SHARED_STORE_UNREACHABLE,
     AUTOSCALING_UNAVAILABLE,
+    MAX_REPLICAS_CLAMPED,
+    GROUP_CAPACITY_UNKNOWN,
     GUARANTEE_FLOOR_UNMET,
     NO_MATCHING_NODES,
     GUARDRAIL_REFUSED,

@@ -88,6 +88,40 @@ RULE_GPU_GROUP_IMMUTABLE = CelRule(
 )
 
 
+RULE_DEDICATED_AUTOSCALING_BOUNDS = CelRule(
+    # The has() guards: the API server also checks the rule against the field's default ({}).
+    rule="!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+    message="spec.dedicated.autoscaling must satisfy minReplicas <= maxReplicas",
+)
+
+
+class DedicatedAutoscaling(CrdModel):
+    """Autoscaling of the tenant's dedicated pool through KEDA, within its GPU group's nodes: the operator
+    renders a ScaledObject whose HPA writes spec.dedicated.replicas through the Tenant's scale subresource.
+    The signals, their targets and the Prometheus KEDA reads are the ModelDeployment's
+    (spec.pool.autoscaling: prometheusAddress, signals, pollingIntervalSeconds), over this pool's series."""
+
+    model_config = {"json_schema_extra": cel_rules_schema(RULE_DEDICATED_AUTOSCALING_BOUNDS)}
+
+    enabled: bool = Field(
+        default=False,
+        description="true: KEDA sizes the dedicated pool between minReplicas and maxReplicas and owns "
+        "spec.dedicated.replicas (leave it out of what you apply). maxReplicas is lowered to what the GPU "
+        "group's schedulable nodes hold (MaxReplicasClamped says so).",
+    )
+    min_replicas: Annotated[int, Field(ge=1, le=1024, description="Fewest replicas.")] = 1
+    max_replicas: Annotated[
+        int,
+        Field(ge=1, le=1024, description="Most replicas, and never more than the GPU group's nodes hold."),
+    ] = 4
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(RULE_DEDICATED_AUTOSCALING_BOUNDS.message)
+        return self
+
+
 class DedicatedSettings(CrdModel):
     """Where a dedicated tenant's own engine pods run."""
 
@@ -101,6 +135,12 @@ class DedicatedSettings(CrdModel):
     replicas: Annotated[
         int, Field(ge=1, le=1024, description="Engine replicas of the dedicated pool (at least 1).")
     ] = 1
+    autoscaling: DedicatedAutoscaling = Field(
+        default_factory=DedicatedAutoscaling,
+        description="Autoscaling of the dedicated pool through KEDA on the ModelDeployment's signals, "
+        "within the GPU group's nodes.",
+        json_schema_extra={"default": {}},
+    )
 
 
 RULE_ISOLATION_IMMUTABLE = CelRule(
@@ -263,6 +303,23 @@ class TenantStatus(CrdModel):
         "own edit is admitted or the tenant is deleted: an increase that does not fit leaves it unchanged "
         "(QuotaChangeRefused).",
     )
+    replicas: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            description="Dedicated tenants: engine replicas of the dedicated pool the operator runs "
+            "(spec.dedicated.replicas, never more than the GPU group holds while autoscaling owns it; scale "
+            "subresource).",
+        ),
+    ] = None
+    selector: Annotated[
+        str | None,
+        Field(
+            max_length=1024,
+            description="Dedicated tenants: label selector of the dedicated pool's engine pods (scale "
+            "subresource).",
+        ),
+    ] = None
 
 
 class Tenant(CrdModel):

@@ -332,3 +332,167 @@ def build_scaled_object(
             "triggers": [t.to_keda(autoscaling.prometheus_address) for t in triggers],
         },
     }
+
+
+# --- Dedicated pools (a Tenant's spec.dedicated.autoscaling) -------------------------------------------
+#
+# One ScaledObject per autoscaled dedicated tenant, owned by the Tenant like its StatefulSet, targeting the
+# Tenant's scale subresource (spec.dedicated.replicas). The signals and the Prometheus are the
+# ModelDeployment's (spec.pool.autoscaling: the platform chose them), over this pool's series only:
+#
+# * the gateway's queue for the pool (``pool="dedicated-<tenant>"``) in the tenant's own tier, the only
+#   tier on it; best-effort's cap (bestEffortMaxReplicas) is the shared pool's and does not apply: the
+#   group serves this tenant alone, so its own basic load may use all of it;
+# * KV use over the pool's engine pods (``<md>-dedicated-<tenant>-engine-<ordinal>``);
+# * the p99 time to first token of the tenant's requests (the gateway's ``tenant`` label), only when the
+#   ModelDeployment's objective is for the tenant's tier.
+#
+# "Within the group's nodes only": the pool's pods can only run there (required node label and toleration,
+# build/model_deployment.py), and the replicas never exceed what the group's schedulable nodes hold
+# (:class:`GroupCapacity`, counted in reconcile/group_capacity.py): the ScaledObject's maxReplicaCount is
+# the lower of maxReplicas and that, and the StatefulSet runs no more than that whatever
+# spec.dedicated.replicas says.
+
+#: The gateway's label for the tenant a latency series is of (kvfleet_runtime.gateway.metrics).
+TENANT_LABEL = "tenant"
+
+
+@dataclass(frozen=True)
+class GroupCapacity:
+    """What a dedicated GPU group's schedulable nodes (Ready, not cordoned, able to run the pool's pods)
+    hold of one pool: ``replicas`` in all, on ``nodes`` nodes offering ``gpus`` of the pool's GPU resource
+    (``gpu_resource``), each replica asking ``gpus_per_replica`` of it."""
+
+    group: str
+    replicas: int
+    nodes: int
+    gpus: int
+    gpu_resource: str
+    gpus_per_replica: int
+
+    def describe(self) -> str:
+        """The figures, for a condition message."""
+        if self.gpus_per_replica:
+            per = f"{self.gpus} {self.gpu_resource} at {self.gpus_per_replica} per replica"
+        else:
+            per = "CPU engines, by their CPU and memory requests"
+        nodes = f"{self.nodes} schedulable node(s)"
+        return f"GPU group {self.group} holds {self.replicas} replica(s) ({nodes}, {per})"
+
+
+@dataclass(frozen=True)
+class DedicatedScaling:
+    """An autoscaled dedicated pool's bounds: the tenant's ``min_wanted``..``max_wanted``
+    (spec.dedicated.autoscaling), within what its group holds (``capacity``; ``None`` when the nodes could
+    not be read, and then nothing is clamped)."""
+
+    min_wanted: int
+    max_wanted: int
+    capacity: GroupCapacity | None
+
+    @property
+    def max_replicas(self) -> int:
+        """The ScaledObject's ``maxReplicaCount``: maxReplicas, never above the group's capacity (and never
+        below 1: KEDA and the HPA need one; a group holding none is said by :meth:`clamped`)."""
+        if self.capacity is None:
+            return self.max_wanted
+        return max(1, min(self.max_wanted, self.capacity.replicas))
+
+    @property
+    def min_replicas(self) -> int:
+        return min(self.min_wanted, self.max_replicas)
+
+    def replicas(self, wanted: int) -> int:
+        """What the StatefulSet runs for ``spec.dedicated.replicas`` = ``wanted``: never above
+        :attr:`max_replicas` (an HPA decision taken before a node left, or a hand edit)."""
+        return min(wanted, self.max_replicas)
+
+    def clamped(self, tenant: str) -> str | None:
+        """Why the pool may not grow to maxReplicas (it still serves), or ``None``."""
+        capacity = self.capacity
+        if capacity is None or capacity.replicas >= self.max_wanted:
+            return None
+        held = capacity.describe()
+        return (
+            f"spec.dedicated.autoscaling.maxReplicas is {self.max_wanted}, but {held}: Tenant {tenant}'s "
+            f"pool scales between {self.min_replicas} and {self.max_replicas}. Add nodes to the group "
+            f"(labelled and tainted kvfleet.io/gpu-group={capacity.group}), uncordon its nodes, or lower "
+            "maxReplicas."
+        )
+
+
+def dedicated_engine_selector(namespace: str, model_deployment: str, pool: str) -> str:
+    """A dedicated pool's engine pods (its StatefulSet's ``<name>-<ordinal>``)."""
+    return f'namespace="{namespace}",pod=~"{engine_name(model_deployment, pool)}-[0-9]+"'
+
+
+def build_dedicated_triggers(
+    namespace: str, model_deployment: str, pool: str, tenant: Tenant, autoscaling: PoolAutoscaling
+) -> list[Trigger]:
+    """The dedicated pool's signals (see above), in a fixed order: queue, KV use, TTFT."""
+    signals = autoscaling.signals
+    gateway = gateway_selector(namespace, model_deployment)
+    tier = tenant.spec.tier.value
+    triggers: list[Trigger] = []
+    target: int = getattr(signals.queue_per_replica, tier)
+    if target > 0:
+        queue = (
+            f'sum({GATEWAY_QUEUE_DEPTH}{{{gateway},{POOL_LABEL}="{pool}",{SLA_TIER_LABEL}="{tier}"}})'
+            " or vector(0)"
+        )
+        triggers.append(Trigger(f"queue-{tier}", queue, str(target), "AverageValue"))
+    if signals.kv_usage > 0:
+        engines = dedicated_engine_selector(namespace, model_deployment, pool)
+        usage = f"sum({ENGINE_POOL_USED_BLOCKS}{{{engines}}}) / sum({ENGINE_POOL_BLOCKS}{{{engines}}})"
+        triggers.append(
+            Trigger("kv-usage", f"(({usage}) > -1) or vector(0)", _number(signals.kv_usage), "Value")
+        )
+    ttft = signals.ttft
+    if ttft is not None and ttft.tier == tier:
+        name = str(tenant.metadata["name"])
+        buckets = f'{GATEWAY_TTFT_SECONDS}_bucket{{{gateway},{TENANT_LABEL}="{name}"}}'
+        p99 = f"histogram_quantile(0.99, sum by (le) (rate({buckets}[{TTFT_WINDOW}])))"
+        triggers.append(
+            Trigger(f"ttft-{tier}", f"(({p99}) > -1) or vector(0)", _number(ttft.p99_seconds), "Value")
+        )
+    return triggers
+
+
+def dedicated_scaling_unavailable(md: ModelDeployment, tenant: Tenant) -> str | None:
+    """Why an autoscaled dedicated pool cannot have a ScaledObject whatever the cluster offers, or
+    ``None``: its ModelDeployment names no Prometheus for KEDA to read."""
+    if md.spec.pool.autoscaling.prometheus_address is not None:
+        return None
+    return (
+        f"spec.dedicated.autoscaling is enabled, but ModelDeployment {md.metadata['name']} sets no "
+        "spec.pool.autoscaling.prometheusAddress: KEDA reads a dedicated pool's signals from the "
+        "ModelDeployment's Prometheus. Set that field on the ModelDeployment (spec.pool.autoscaling.enabled "
+        "may stay false). Until then nothing scales this pool: spec.dedicated.replicas is what runs (within "
+        "maxReplicas and what the group holds)."
+    )
+
+
+def build_dedicated_scaled_object(
+    md: ModelDeployment, tenant: Tenant, pool: str, owner: Owner, scaling: DedicatedScaling
+) -> Obj | None:
+    """The ScaledObject of ``tenant``'s dedicated ``pool`` (owned by ``owner``, the Tenant), or ``None``
+    when its autoscaling is off or the ModelDeployment names no Prometheus."""
+    dedicated = tenant.spec.dedicated
+    autoscaling = md.spec.pool.autoscaling
+    address = autoscaling.prometheus_address
+    if dedicated is None or not dedicated.autoscaling.enabled or address is None:
+        return None
+    namespace, name = str(md.metadata["namespace"]), str(md.metadata["name"])
+    triggers = build_dedicated_triggers(namespace, name, pool, tenant, autoscaling)
+    return {
+        "apiVersion": KEDA_API_VERSION,
+        "kind": SCALED_OBJECT,
+        "metadata": metadata(engine_name(name, pool), namespace, object_labels(name, "engine", pool), owner),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": owner.api_version, "kind": owner.kind, "name": owner.name},
+            "minReplicaCount": scaling.min_replicas,
+            "maxReplicaCount": scaling.max_replicas,
+            "pollingInterval": autoscaling.polling_interval_seconds,
+            "triggers": [t.to_keda(address) for t in triggers],
+        },
+    }

@@ -13,7 +13,13 @@ from kvfleet_operator.api import ModelDeployment, Tenant
 from kvfleet_operator.api.common import GPU_GROUP_LABEL
 from kvfleet_operator.api.modeldeployment import DataPlane, Routing
 from kvfleet_operator.api.units import parse_duration, parse_quantity
-from kvfleet_operator.build.autoscaling import build_scaled_object, compute_guarantee_floor, shared_replicas
+from kvfleet_operator.build.autoscaling import (
+    DedicatedScaling,
+    build_dedicated_scaled_object,
+    build_scaled_object,
+    compute_guarantee_floor,
+    shared_replicas,
+)
 from kvfleet_operator.build.common import (
     ENGINE_PORT,
     KEY_FILE_KEY,
@@ -191,6 +197,32 @@ def _dedicated_workload(
     )
 
 
+def _dedicated_pool(
+    md: ModelDeployment,
+    tenant: Tenant,
+    pool: str,
+    images: OperatorImages,
+    bounds: DedicatedScaling | None,
+) -> tuple[PoolWorkload, Obj | None]:
+    """A dedicated pool's workload, and its ScaledObject when it autoscales: then it runs no more replicas
+    than ``bounds`` allow (maxReplicas within what its GPU group holds; unclamped without ``bounds``)."""
+    workload = _dedicated_workload(md, tenant, pool, images)
+    dedicated = tenant.spec.dedicated
+    if dedicated is None or not dedicated.autoscaling.enabled:
+        return workload, None
+    auto = dedicated.autoscaling
+    bounds = bounds or DedicatedScaling(auto.min_replicas, auto.max_replicas, None)
+    workload = replace(workload, replicas=bounds.replicas(workload.replicas))
+    return workload, build_dedicated_scaled_object(md, tenant, pool, owner_of(tenant), bounds)
+
+
+def dedicated_pod_spec(md: ModelDeployment, tenant: Tenant, pool: str, images: OperatorImages) -> Obj:
+    """The pod spec of ``tenant``'s dedicated ``pool`` as its StatefulSet runs it: what a GPU group's
+    capacity is counted for (``reconcile/group_capacity.py``)."""
+    pod: Obj = build_engine_statefulset(_dedicated_workload(md, tenant, pool, images))["spec"]["template"]
+    return dict(pod["spec"])
+
+
 def _gateway_workload(
     md: ModelDeployment, images: OperatorImages, inference_pool_served: bool = True
 ) -> GatewayWorkload:
@@ -270,6 +302,7 @@ def build_desired_children(
     inference_pool_served: bool = True,
     gateway_store: GatewayStore | None = None,
     draining: Mapping[str, tuple[int, str]] | None = None,
+    dedicated_scaling: Mapping[str, DedicatedScaling] | None = None,
 ) -> list[Obj]:
     """All children of ``md``: runtime config, the shared pool, the gateway, dedicated pools, and the
     shared pool's KV tier across replicas when ``spec.kvCache.shared`` enables it.
@@ -283,6 +316,9 @@ def build_desired_children(
     ``draining``: engine StatefulSet name -> the replicas it keeps running and its ``kvfleet.io/drain``
     annotation while its pool drains replicas away (``reconcile/drain.py``); the tenant table lists only
     the replicas that stay.
+    ``dedicated_scaling``: tenant -> the bounds of its autoscaled dedicated pool within its GPU group
+    (``reconcile/group_capacity.py``): its StatefulSet runs no more than the group holds, and its
+    ScaledObject's maximum is clamped alike (a tenant missing there autoscales unclamped).
     ``inference_pool_served``: the operator may manage InferencePools and the cluster serves their API.
     With ``spec.gateway.inferencePool`` the InferencePools are built either way (the reconcile withholds
     them and says why, ``reconcile.steps.withhold_exposure``), but only when served does anything route to
@@ -294,9 +330,14 @@ def build_desired_children(
     shared = replace(shared_workload(md, images), replicas=shared_replicas(md, floor))
     workloads = [shared]
     by_name = {str(t.metadata["name"]): t for t in tenants}
+    dedicated_scaled: list[Obj] = []
     for decision in decisions:
         if decision.admitted and decision.pool != SHARED_POOL:
-            workloads.append(_dedicated_workload(md, by_name[decision.name], decision.pool, images))
+            tenant = by_name[decision.name]
+            bounds = (dedicated_scaling or {}).get(decision.name)
+            workload, scaled_object = _dedicated_pool(md, tenant, decision.pool, images, bounds)
+            workloads.append(workload)
+            dedicated_scaled += [scaled_object] if scaled_object is not None else []
     if media_hosts:
         workloads = [replace(w, allowed_media_domains=media_hosts) for w in workloads]
     endpoints = {w.pool: PoolEndpoints(tuple(replica_endpoints(w, ENGINE_PORT))) for w in workloads}
@@ -364,4 +405,5 @@ def build_desired_children(
     scaled = build_scaled_object(namespace, name, md.spec.pool.autoscaling, owner_of(md), floor)
     if scaled is not None:
         children.append(scaled)
-    return children
+    # The autoscaled dedicated pools' ScaledObjects, owned by their Tenants (build/autoscaling.py).
+    return children + dedicated_scaled

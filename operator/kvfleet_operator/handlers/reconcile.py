@@ -29,8 +29,9 @@ from typing import Any, Final
 
 from kvfleet_operator import metrics
 from kvfleet_operator.api import ModelDeployment, Tenant, reasons
+from kvfleet_operator.api.common import GPU_GROUP_LABEL
 from kvfleet_operator.api.units import parse_duration
-from kvfleet_operator.build.autoscaling import admit_seats
+from kvfleet_operator.build.autoscaling import DedicatedScaling, admit_seats
 from kvfleet_operator.build.common import (
     LABEL_TENANT,
     SHARED_POOL,
@@ -56,7 +57,12 @@ from kvfleet_operator.build.keys import (
     read_salt_master,
     resolve_api_key_hashes,
 )
-from kvfleet_operator.build.model_deployment import OperatorImages, build_desired_children, compute_endpoint
+from kvfleet_operator.build.model_deployment import (
+    OperatorImages,
+    build_desired_children,
+    compute_endpoint,
+    dedicated_pod_spec,
+)
 from kvfleet_operator.build.network import MetricsScrapers, OperatorPeer
 from kvfleet_operator.build.tenant_table import (
     PoolCapacity,
@@ -83,6 +89,7 @@ from kvfleet_operator.reconcile.capacity import (
 )
 from kvfleet_operator.reconcile.conditions import DEGRADED, ConditionUpdate, now_rfc3339
 from kvfleet_operator.reconcile.drain import compute_drains, drain_annotation, serving_ready_replicas
+from kvfleet_operator.reconcile.group_capacity import plan_dedicated_scaling, replicas_by_tenant
 from kvfleet_operator.reconcile.node_loss import (
     ENGINE_POD_REPLACED,
     ENGINE_POD_STUCK_ON_LOST_NODE,
@@ -244,6 +251,8 @@ class Cycle:
     children: list[Obj] = field(default_factory=list)
     #: The cluster's nodes, read only while engines wait (``None``: not read, or no right to list them).
     nodes: list[Obj] | None = None
+    #: Tenant -> the bounds of its autoscaled dedicated pool within its GPU group (``bound_dedicated_pools``).
+    dedicated_scaling: dict[str, DedicatedScaling] = field(default_factory=dict)
     desired: list[Obj] | None = None
     #: Exposure kinds the operator may manage but the cluster does not serve (their list answered 404).
     unserved: set[kinds.Kind] = field(default_factory=set)
@@ -455,6 +464,41 @@ async def read_children(client: KubeClient, c: Cycle) -> None:
     c.children += owned_children(listed, owners)
 
 
+async def bound_dedicated_pools(client: KubeClient, c: Cycle) -> None:
+    """Autoscaled dedicated pools scale within their GPU group's nodes (``reconcile/group_capacity.py``):
+    one LIST of those groups' nodes (by label), only when an admitted dedicated tenant autoscales, gives each
+    pool its bounds for its StatefulSet and ScaledObject, and its tenant a ``Degraded`` note where
+    autoscaling does not work as asked. Without the right to list nodes (the chart's ``rbac.readNodes``)
+    the pools autoscale unclamped and say so (``GroupCapacityUnknown``)."""
+    if c.md is None or c.refused:
+        return
+    pools = {d.name: d.pool for d in c.decisions if d.admitted and d.pool != SHARED_POOL}
+    scaled = [
+        (t, dedicated_pod_spec(c.md, t, pools[str(t.metadata["name"])], c.config.images))
+        for t in c.tenants
+        if str(t.metadata["name"]) in pools and t.spec.dedicated and t.spec.dedicated.autoscaling.enabled
+    ]
+    if not scaled:
+        return
+    groups = ",".join(sorted({t.spec.dedicated.gpu_group for t, _ in scaled if t.spec.dedicated}))
+    nodes: list[Obj] | None
+    try:
+        nodes = await client.list(kinds.NODE, label_selector=f"{GPU_GROUP_LABEL} in ({groups})")
+    except ApiError as exc:
+        if exc.status != 403:  # forbidden: rbac.readNodes is off
+            raise
+        nodes = None
+    c.dedicated_scaling, notes = plan_dedicated_scaling(
+        c.md,
+        scaled,
+        nodes,
+        managed=kinds.SCALED_OBJECT in c.config.exposure,
+        served=kinds.SCALED_OBJECT not in c.unserved,
+    )
+    for name, note in notes.items():
+        c.tenant_warnings.setdefault(name, note)  # a group not bound yet says more
+
+
 async def build_desired(client: KubeClient, c: Cycle) -> None:
     """Without capacity, or for a spec the guardrails refuse, nothing is desired, and nothing is planned:
     existing children are left alone."""
@@ -480,6 +524,7 @@ async def build_desired(client: KubeClient, c: Cycle) -> None:
             inference_pool_served=kinds.INFERENCE_POOL in c.config.exposure
             and kinds.INFERENCE_POOL not in c.unserved,
             draining=draining,
+            dedicated_scaling=c.dedicated_scaling,
         )
 
     desired = build()
@@ -661,7 +706,9 @@ async def compute_status(client: KubeClient, c: Cycle) -> None:
         _capacity_note(c),
         c.tenant_warnings,
         c.store_note,
-        c.withheld.get(kinds.SCALED_OBJECT.kind),
+        # A dedicated pool's ScaledObject withheld is its Tenant's news (bound_dedicated_pools).
+        c.withheld.get(kinds.SCALED_OBJECT.kind) if c.md.spec.pool.autoscaling.enabled else None,
+        replicas_by_tenant(c.tenants, c.dedicated_scaling),
     )
 
 
@@ -705,6 +752,7 @@ STEPS: Final[tuple[Step, ...]] = (
     read_children,
     admit,
     generate_api_keys,
+    bound_dedicated_pools,
     build_desired,
     read_nodes,
     plan,

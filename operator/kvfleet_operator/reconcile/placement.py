@@ -105,7 +105,7 @@ def _tolerates(tolerations: Sequence[Obj], taint: Obj) -> bool:
     return False
 
 
-def _amount(text: Any) -> Decimal:
+def resource_amount(text: Any) -> Decimal:
     """A resource quantity as a number (CPU in cores, with milli; everything else through the byte
     parser, which also reads plain counts)."""
     value = str(text)
@@ -121,13 +121,13 @@ def _resources_unmet(pod: Obj, node: Obj) -> list[str]:
     wanted: dict[str, Decimal] = {}
     for container in pod.get("containers") or []:
         for name, amount in ((container.get("resources") or {}).get("requests") or {}).items():
-            wanted[name] = wanted.get(name, Decimal(0)) + _amount(amount)
+            wanted[name] = wanted.get(name, Decimal(0)) + resource_amount(amount)
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     unmet = []
     for name, amount in sorted(wanted.items()):
         if amount <= 0:
             continue
-        have = _amount(allocatable[name]) if name in allocatable else Decimal(0)
+        have = resource_amount(allocatable[name]) if name in allocatable else Decimal(0)
         if have < amount:
             unmet.append(
                 f"have no {name}"

@@ -419,13 +419,16 @@ def compute_tenant_pool_ready(
     tenant: Tenant,
     decision: TenantDecision | None,
     children: Sequence[Obj],
+    dedicated_replicas: int | None = None,
 ) -> bool:
     """Whether the pool that serves ``tenant`` is ready: the gateway, and the shared engines or the
-    tenant's dedicated engines, from the live children's status."""
+    tenant's dedicated engines, from the live children's status. ``dedicated_replicas``: what its dedicated
+    pool runs, where that is not spec.dedicated.replicas (autoscaling clamps it to its GPU group)."""
     name = str(md.metadata["name"])
     gateway = front_door_readiness(md, children)
     if decision is not None and decision.pool != SHARED_POOL:
         wanted = tenant.spec.dedicated.replicas if tenant.spec.dedicated else 1
+        wanted = wanted if dedicated_replicas is None else dedicated_replicas
         engines = readiness_of(live_child(children, "StatefulSet", engine_name(name, decision.pool)), wanted)
     else:
         engines = readiness_of(
@@ -457,6 +460,7 @@ def compute_served_statuses(
     tenant_warnings: Mapping[str, ConditionUpdate] | None = None,
     store_note: str | None = None,
     autoscaling_note: str | None = None,
+    dedicated_replicas: Mapping[str, int] | None = None,
 ) -> list[StatusWrite]:
     """The ModelDeployment's status, then each tenant's (in ``raw_tenants`` order), from the live
     ``children`` read by this reconcile: the next reconcile sees the effect of this one's writes.
@@ -466,6 +470,9 @@ def compute_served_statuses(
     ``capacity_note``, ``store_note`` and ``autoscaling_note``: see :func:`compute_model_deployment_status`.
     ``tenant_warnings``:
     tenant -> its ``Degraded`` condition while it is served (:func:`compute_tenant_status`'s ``warning``).
+    ``dedicated_replicas``: tenant -> the replicas its dedicated pool runs where autoscaling clamps them
+    (``reconcile/group_capacity.py``); an admitted dedicated tenant's ``status.replicas`` and
+    ``status.selector`` (its scale subresource) say what runs and which pods.
 
     A tenant in ``tenant_problems`` (its spec or key cannot be used) gets :func:`compute_failure_status`;
     every other tenant its full status, with the fingerprints of its keys (``keys``). While the
@@ -516,12 +523,13 @@ def compute_served_statuses(
             continue
         decision = by_decision.get(tname)
         cause = model_deployment_problem_for_tenant(md_problem) if md_problem is not None else None
+        pool = _dedicated_pool_scale(md, tenant, decision, dedicated_replicas or {})
         status = compute_tenant_status(
             tenant,
             decision,
             capacity,
             cause,
-            compute_tenant_pool_ready(md, tenant, decision, children),
+            compute_tenant_pool_ready(md, tenant, decision, children, None if pool is None else pool[0]),
             endpoint,
             api_key_secret_ref(tenant)[0],
             now,
@@ -529,8 +537,22 @@ def compute_served_statuses(
             placement.get(decision.pool) if decision is not None and decision.pool != SHARED_POOL else None,
             (tenant_warnings or {}).get(tname),
         )
+        if pool is not None:
+            status["replicas"], status["selector"] = pool
         writes.append(StatusWrite(kinds.TENANT, raw, status))
     return writes
+
+
+def _dedicated_pool_scale(
+    md: ModelDeployment, tenant: Tenant, decision: TenantDecision | None, replicas: Mapping[str, int]
+) -> tuple[int, str] | None:
+    """An admitted dedicated tenant's scale subresource: the replicas its pool runs and its engine pods'
+    selector; ``None`` for every other tenant."""
+    if decision is None or not decision.admitted or decision.pool == SHARED_POOL or not tenant.spec.dedicated:
+        return None
+    name = str(md.metadata["name"])
+    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, "engine", decision.pool).items())
+    return replicas.get(decision.name, tenant.spec.dedicated.replicas), selector
 
 
 def _condition(conditions: Sequence[Obj] | None, kind: str) -> Obj:
