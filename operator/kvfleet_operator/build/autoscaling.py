@@ -17,7 +17,8 @@ Every query answers 0 rather than nothing when its series are absent (a pool wit
 trigger never errors on a quiet pool. The series are selected by namespace and pod name, the labels every
 Kubernetes scrape (Prometheus Operator's ServiceMonitor and PodMonitor, :mod:`.monitoring`) attaches.
 
-Only the shared pool scales: dedicated pools' replicas come from their tenants' GPU groups.
+A dedicated tenant's pool scales on the same signals within its GPU group's nodes (``Tenant``
+``spec.dedicated.autoscaling``): see "Dedicated pools" at the end of this module.
 
 **The guarantee floor** (:func:`compute_guarantee_floor`). KV quotas are admitted per replica (every engine
 governs its own block pool, ``build/tenant_table.py``), so a replica more or less never breaks a KV
