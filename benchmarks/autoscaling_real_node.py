@@ -56,6 +56,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import os
 import random
@@ -527,14 +528,44 @@ def say(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def wait_until(check: Callable[[], Any], what: str, timeout: float, interval: float = 1.0) -> Any:
+def wait_until(
+    check: Callable[[], Any],
+    what: str,
+    timeout: float,
+    show: Callable[[], str] | None = None,
+    on_timeout: Callable[[], str] | None = None,
+) -> Any:
+    """``check()``'s first truthy answer, polled every second; ``show()`` printed every 30 s meanwhile;
+    :class:`TimeoutError` after ``timeout`` s, with ``on_timeout()`` in its message."""
     deadline = time.monotonic() + timeout
+    shown = time.monotonic()
     while time.monotonic() < deadline:
         result = check()
         if result:
             return result
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        if show is not None and time.monotonic() - shown >= 30:
+            say(f"  waiting for {what}: {show()}")
+            shown = time.monotonic()
+        time.sleep(1.0)
+    extra = f"\n{on_timeout()}" if on_timeout is not None else ""
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{extra}")
+
+
+def progress(observer: Observer) -> str:
+    """The latest sample in a line: what a human watching the run wants to see."""
+    s = observer.latest()
+    if s is None:
+        return "no sample yet"
+    return (
+        f"md {s.md_replicas} sts {s.sts_replicas} table {s.endpoints} engines {s.engines} "
+        f"served {s.served} queue {s.gw_queue_premium} reloads {s.gw_reloads}"
+    )
+
+
+def hpa_state(plane: Any) -> str:
+    """The HPA's status (conditions and current metrics): why it did or did not scale."""
+    status, hpa = plane.request("GET", KHPA)
+    return json.dumps(hpa.get("status") if status == 200 else hpa)[:3000]
 
 
 def settled_at_one(observer: Observer) -> bool:
@@ -573,7 +604,12 @@ def run_cycle(
     args: argparse.Namespace, load: OpenLoop, observer: Observer, rates: tuple[float, float]
 ) -> Cycle:
     steady, step_rate = rates
-    wait_until(lambda: settled_at_one(observer), "the pool settled at one replica", 900)
+    wait_until(
+        lambda: settled_at_one(observer),
+        "the pool settled at one replica",
+        900,
+        functools.partial(progress, observer),
+    )
     start = time.time()
     load.rate = steady
     say(f"steady load {steady:.2f}/s for {args.steady_seconds} s")
@@ -581,11 +617,21 @@ def run_cycle(
     step = time.time()
     load.rate = step_rate
     say(f"load step to {step_rate:.2f}/s")
+    show = functools.partial(progress, observer)
+    # No HPA decision within --hpa-timeout: the chain is broken (KEDA, Prometheus, the query), not slow.
+    wait_until(
+        lambda: scale_out_events(observer.samples, step)["hpa"],
+        "KEDA's HPA raising spec.pool.replicas",
+        args.hpa_timeout,
+        show,
+        on_timeout=functools.partial(hpa_state, observer.plane),
+    )
     try:
         serving = wait_until(
             lambda: scale_out_events(observer.samples, step)["serving"],
             "the second replica serving",
             args.step_timeout,
+            show,
         )
         say(f"second replica serving {serving - step:.0f} s after the step; holding {args.hold_seconds} s")
         time.sleep(args.hold_seconds)
@@ -594,12 +640,20 @@ def run_cycle(
     down = time.time()
     load.rate = steady
     say("load back down")
+    wait_until(
+        lambda: scale_in_events(observer.samples, down)["hpa"],
+        "KEDA's HPA lowering spec.pool.replicas",
+        args.hpa_timeout + (args.scale_down_window or 300),
+        show,
+        on_timeout=functools.partial(hpa_state, observer.plane),
+    )
     settled = True
     try:
         wait_until(
             lambda: scale_in_events(observer.samples, down)["pod_gone"],
             "the leaving replica's pod gone",
             args.step_timeout,
+            show,
         )
     except TimeoutError as exc:
         say(f"no scale-in: {exc}")
@@ -717,6 +771,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--hold-seconds", type=int, default=20, help="step load kept after the 2nd replica serves"
     )
     parser.add_argument("--step-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--hpa-timeout", type=float, default=240.0, help="no HPA decision within this: stop the run"
+    )
     parser.add_argument("--seed", type=int, default=26)
     add_results_argument(parser, NAME)
     args = parser.parse_args(argv)
