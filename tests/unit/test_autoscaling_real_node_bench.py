@@ -24,13 +24,17 @@ URL_1 = f"http://{bench.SECOND}.{bench.ENGINE}.{bench.NS}.svc:8000"
 
 
 def test_the_applied_model_deployment_scales_on_the_premium_queue_alone() -> None:
-    docs = bench.bench_documents(build_example_documents(bench.NS), PROM)
+    docs = bench.bench_documents(build_example_documents(bench.NS), PROM, "700m")
     (md_doc,) = (d for d in docs if d["kind"] == "ModelDeployment")
     md = ModelDeployment.model_validate(md_doc)
     assert md.metadata["name"] == bench.MD and scaled_object_name(bench.MD) == bench.SCALED_OBJECT
     assert "replicas" not in md_doc["spec"]["pool"]  # the HPA owns it
     assert md.spec.gateway.engine_in_flight_per_replica == bench.IN_FLIGHT_PER_REPLICA
     assert md.spec.pool.pod_template.resources.requests == {"cpu": bench.ENGINE_CPU_REQUEST}
+    assert md.spec.pool.pod_template.resources.limits == {"cpu": "700m"}
+    assert (
+        "limits" not in bench.bench_documents([md_doc], PROM)[0]["spec"]["pool"]["podTemplate"]["resources"]
+    )
     owner = Owner(api_version="kvfleet.io/v1alpha1", kind="ModelDeployment", name=bench.MD, uid="u")
     so = build_scaled_object(bench.NS, bench.MD, md.spec.pool.autoscaling, owner)
     assert so is not None
