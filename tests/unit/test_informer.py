@@ -155,3 +155,50 @@ def test_is_newer(candidate: str, current: str | None, newer: bool) -> None:
 
 def test_slim_drops_managed_fields_only() -> None:
     assert slim(_tenant("a", 1))["metadata"] == {"name": "a", "namespace": "ns", "resourceVersion": "1"}
+
+
+def test_the_watch_event_of_an_own_write_is_no_news() -> None:
+    """A version the copy holds already (the operator's own write, observed from the API server's answer
+    before its watch event came) is not reported again; a later version of the same object is."""
+
+    async def go() -> tuple[Informer, list[tuple[str | None, str | None]]]:
+        changes: list[tuple[str | None, str | None]] = []
+        release = asyncio.Event()
+        client = ScriptedClient([([_tenant("a", 1)], "1")], [])
+
+        async def watch(*_: Any, **__: Any) -> AsyncIterator[Obj]:
+            await release.wait()
+            for event in (
+                {"type": "ADDED", "object": _tenant("b", 2)},  # created by the operator: observed below
+                {"type": "MODIFIED", "object": _tenant("a", 3)},  # the operator's write, observed
+                {"type": "MODIFIED", "object": _tenant("a", 4)},  # someone else's, later
+            ):
+                yield event
+            client.done.set()
+            await asyncio.Event().wait()
+
+        client.watch = watch  # type: ignore[method-assign]
+        informer = Informer(
+            client,  # type: ignore[arg-type]
+            kinds.TENANT,
+            ["ns"],
+            on_change=lambda old, new: changes.append(
+                (
+                    old["metadata"]["resourceVersion"] if old else None,
+                    new["metadata"]["resourceVersion"] if new else None,
+                )
+            ),
+        )
+        informer.start()
+        await informer.wait_synced()
+        informer.observe(_tenant("b", 2))
+        informer.observe(_tenant("a", 3))
+        release.set()
+        await asyncio.wait_for(client.done.wait(), 5)
+        await informer.stop()
+        return informer, changes
+
+    informer, changes = asyncio.run(go())
+    assert changes == [("3", "4")]
+    assert informer.get("ns", "a")["metadata"]["resourceVersion"] == "4"  # type: ignore[index]
+    assert informer.get("ns", "b") is not None

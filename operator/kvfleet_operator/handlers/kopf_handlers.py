@@ -21,10 +21,15 @@ User-Agent, so the API server's audit log tells replicas apart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import hashlib
+import heapq
+import itertools
+import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import kopf
@@ -130,6 +135,46 @@ class Coalescer:
         return True
 
 
+class PrioritySlots:
+    """At most ``size`` holders at once; when a slot frees, the waiter with the lowest ``priority`` number
+    gets it, in arrival order among equals (``asyncio.Semaphore`` is arrival order only)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._order = itertools.count()
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+
+    @contextlib.asynccontextmanager
+    async def hold(self, priority: int) -> AsyncIterator[None]:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiters, (priority, next(self._order), waiter))
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if not waiter.cancelled():  # handed the slot, then cancelled before it ran: pass it on
+                    self._release()
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiters:
+            _priority, _order, waiter = heapq.heappop(self._waiters)
+            if not waiter.done():  # a cancelled waiter stays in the heap until it comes up
+                waiter.set_result(None)
+                return
+        self._free += 1
+
+
+#: Slot priorities: a ModelDeployment this process has reconciled before goes ahead of one it has not.
+KNOWN, NEW = 0, 1
+
+
 class OperatorState:
     """What handlers share, kept in kopf's memo."""
 
@@ -138,9 +183,20 @@ class OperatorState:
         self.config = config
         self.coalescer = Coalescer()
         #: Reconciles running at once: each holds its ModelDeployment's tenants parsed and their statuses,
-        #: so fifty at once would hold every tenant of the cluster several times over.
-        self._slots = asyncio.Semaphore(RECONCILES_AT_ONCE)
+        #: so fifty at once would hold every tenant of the cluster several times over. A ModelDeployment
+        #: reconciled before goes first: its reconcile is short (its tenants' keys exist, its children
+        #: too) and usually tells tenants their pool is ready, while a first one may create hundreds of key
+        #: Secrets. Queued behind every first reconcile (ModelDeployments starting together), the
+        #: reconcile that sees a pool ready came after the tenants' waiting statuses were written
+        #: (``handlers/status_writer.py``: a second status write per tenant for half of 10,000), and a
+        #: tenant's edit waited as long.
+        self._slots = PrioritySlots(RECONCILES_AT_ONCE)
         self._resync_turns = asyncio.Semaphore(RESYNCS_AT_ONCE)
+        #: The ModelDeployments (namespace, name) this process has reconciled at least once.
+        self._known: set[tuple[str, str]] = set()
+        #: (kind, namespace, name) -> a digest of the object as its watch last showed it, less what no
+        #: reconcile reads (:func:`_essence`).
+        self._seen: dict[tuple[str, str, str], bytes] = {}
         #: Reconciles started by a watched change (``tenant_changed``), kept until they end.
         self._spawned: set[asyncio.Task[None]] = set()
 
@@ -156,13 +212,36 @@ class OperatorState:
             await self._coalesced(namespace, name)
 
     async def _coalesced(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+
         async def _run() -> None:
-            async with self._slots:
-                result = await reconcile_model_deployment(self.client, self.config, namespace, name)
+            async with self._slots.hold(KNOWN if key in self._known else NEW):
+                try:
+                    result = await reconcile_model_deployment(self.client, self.config, namespace, name)
+                finally:
+                    self._known.add(key)
             for change in result.applied + result.deleted:
                 log.info("%s/%s: %s", namespace, name, change)
 
-        await self.coalescer.run((namespace, name), _run)
+        await self.coalescer.run(key, _run)
+
+    def changed(self, event_type: str | None, obj: Obj) -> bool:
+        """Whether a watch event of a ModelDeployment or of one of its children is worth a reconcile: not
+        when all that changed since the event before is what no reconcile reads (:func:`_essence`): a
+        status it wrote itself, kopf's bookkeeping annotations, a child's status beyond its ready replicas
+        (a PodDisruptionBudget's counts). While ten thousand tenants start, each of those reconciled
+        fifty ModelDeployments again, two hundred tenants each. As for a Tenant, the resync timer restores
+        a status that someone else edited."""
+        meta = obj.get("metadata") or {}
+        key = (str(obj.get("kind") or ""), str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        if event_type == "DELETED":
+            self._seen.pop(key, None)
+            return True
+        digest = hashlib.blake2b(json.dumps(_essence(obj), sort_keys=True).encode(), digest_size=16).digest()
+        if self._seen.get(key) == digest:
+            return False
+        self._seen[key] = digest
+        return True
 
     def wrote(self, obj: Obj) -> None:
         """An object the API server answered a write with, for the watch-fed copies."""
@@ -218,6 +297,27 @@ class OperatorState:
 def _without_status(obj: Obj) -> Obj:
     meta = {k: v for k, v in obj["metadata"].items() if k not in ("resourceVersion", "managedFields")}
     return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": meta}
+
+
+#: The status fields of a child that a reconcile reads (a pool's readiness, a LoadBalancer's address); a
+#: change of any other status field (a PodDisruptionBudget's counts, a rollout's revisions) is no news.
+CHILD_STATUS_READ: dict[str, tuple[str, ...]] = {
+    "Deployment": ("readyReplicas",),
+    "StatefulSet": ("readyReplicas",),
+    "Service": ("loadBalancer",),
+}
+
+
+def _essence(obj: Obj) -> Obj:
+    """What a watch event must change to be worth a reconcile: ``obj`` without its version and managed
+    fields, kopf's annotations (``kvfleet.io/<handler>``, the last handled configuration) and its status,
+    but the status fields :data:`CHILD_STATUS_READ` names for its kind."""
+    bare = _without_status(obj)
+    annotations = bare["metadata"].get("annotations") or {}
+    kept = {k: v for k, v in annotations.items() if not k.startswith(f"{ANNOTATION_PREFIX}/")}
+    status = obj.get("status") or {}
+    read = {k: status[k] for k in CHILD_STATUS_READ.get(str(obj.get("kind")), ()) if k in status}
+    return {**bare, "metadata": {**bare["metadata"], "annotations": kept}, "status": read}
 
 
 def _model_deployment_ref(tenant: Obj) -> tuple[str, str]:
@@ -367,8 +467,10 @@ async def close(*, memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(group=GROUP, version=VERSION, plural="modeldeployments")
-async def on_model_deployment(*, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    await _state(memo).reconcile(str(namespace), name)
+async def on_model_deployment(*, namespace: str | None, name: str, event: Any, memo: Any, **_: Any) -> None:
+    state = _state(memo)
+    if state.changed(event.get("type"), dict(event.get("object") or {})):
+        await state.reconcile(str(namespace), name)
 
 
 @kopf.timer(group=GROUP, version=VERSION, plural="modeldeployments", interval=RESYNC_SECONDS, sharp=False)
@@ -382,10 +484,13 @@ async def resync(*, namespace: str | None, name: str, memo: Any, **_: Any) -> No
 def _register_child_watch(kind: kinds.Kind) -> None:
     group, _sep, version = kind.api_version.rpartition("/")
 
-    async def on_child(*, namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
+    async def on_child(
+        *, namespace: str | None, labels: kopf.Labels, event: Any, memo: Any, **_: Any
+    ) -> None:
         owner = labels.get(LABEL_MODEL_DEPLOYMENT)
-        if owner and namespace:
-            await _state(memo).reconcile(namespace, owner)
+        state = _state(memo)
+        if owner and namespace and state.changed(event.get("type"), dict(event.get("object") or {})):
+            await state.reconcile(namespace, owner)
 
     on_child.__name__ = f"on_{kind.plural}"
     kopf.on.event(group=group, version=version, plural=kind.plural, labels=OWNED, id=f"child-{kind.plural}")(

@@ -51,6 +51,10 @@ def slim(obj: Obj) -> Obj:
     return obj
 
 
+def _version(obj: Obj) -> str:
+    return str(obj.get("metadata", {}).get("resourceVersion") or "")
+
+
 def is_newer(candidate: Obj, current: Obj | None) -> bool:
     """Whether ``candidate`` is a later version than ``current``. ``resourceVersion`` is opaque by contract
     but an etcd revision in practice: compared as a number when both are, else the candidate wins."""
@@ -132,7 +136,10 @@ class Informer:
 
     def observe(self, obj: Obj) -> None:
         """Put an object the API server just answered with (after a write) into the copy, unless the copy
-        holds a later version already. No ``on_change``: the watch event of that write triggers."""
+        holds a later version already. No ``on_change``, and none when the write's own watch event comes:
+        it finds that version held already (:meth:`_put`). The writer acted on what it wrote (a reconcile
+        that created a tenant's key Secret serves the key at once), so its write is no news; a reconcile
+        started by each of ten thousand key Secrets it created would only read the same again."""
         meta = obj.get("metadata") or {}
         namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
         if not name or not self._covers(namespace):
@@ -156,6 +163,8 @@ class Informer:
         meta = obj["metadata"]
         objects = self._objects.setdefault(str(meta.get("namespace") or ""), {})
         old = objects.get(str(meta["name"]))
+        if old is not None and _version(old) and _version(old) == _version(obj):
+            return  # that very version is held: an own write observed first, or nothing changed
         if not is_newer(obj, old):
             return  # the copy holds a later version already (an own write observed first)
         objects[str(meta["name"])] = slim(obj)
