@@ -29,7 +29,7 @@ NEEDS_EVERY_STEP = ("tests/e2e/test_real_node.py", "tests/e2e/test_demo.py", "te
 #: The steps those modules wait for (the others are done before pytest starts).
 LATE_STEPS = ("30-node", "40-images")
 #: Test modules that need KEDA (``35-keda``, the build lane's step after the node's) and nothing else late.
-NEEDS_KEDA = ("tests/cluster/test_keda_autoscaling.py",)
+NEEDS_KEDA = ("tests/cluster/test_keda_autoscaling.py", "tests/cluster/test_keda_dedicated_autoscaling.py")
 KEDA_STEPS = ("35-keda",)
 #: How long a test waits for a step at most (a cold 30-node or 40-images takes about 11 and 17 minutes).
 WAIT_S = float(os.environ.get("KVFLEET_PROVISION_WAIT", str(60 * 60)))
