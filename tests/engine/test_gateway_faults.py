@@ -562,22 +562,18 @@ async def test_engine_killed_mid_stream(tmp_path: Path, engines: Callable[[int],
             assert time.monotonic() < deadline, "the probe's blocks in the gateway's index within 30 s"
             await asyncio.sleep(0.1)
         before = [success_count(e) for e in pair]
-        hits = [e.metric_value("vllm:prefix_cache_hits_total") for e in pair]
         started = asyncio.Event()
-        # 6,000 tokens (about 8 s here): the stream is still running when the kill lands, however slow the
-        # one read between its first events and the kill (1,800 tokens once ended first, in 2.5 s).
+        # 6,000 tokens (about 8 s here): the stream is still running when the kill lands. Nothing runs
+        # between its first events and the kill: a read of vLLM's /metrics there (the victim's prefix hits)
+        # once took long enough on a loaded CI machine (load 10) for all 6,000 tokens to finish first.
         task = asyncio.create_task(stream(http, gw.url, cfg.keys["acme"], prompt, 6000, first_events=started))
         await asyncio.wait_for(started.wait(), 60)
-        # The stream runs where the probe's blocks are (its prompt hit them there), by the index's choice.
-        victim_hits = victim.metric_value("vllm:prefix_cache_hits_total")
-        (survivor,) = [e for e in pair if e is not victim]
         signal_group(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        decisions = {
-            how: await metric(gw, m.ROUTE_DECISIONS_TOTAL, how=how) for how in ("precise", "affinity")
-        }
-        assert victim_hits > hits[pair.index(victim)], (hits, victim_hits, decisions)
+        (survivor,) = [e for e in pair if e is not victim]
         result = await asyncio.wait_for(task, 30)  # ends, never hangs
+        # The stream broke when the victim died: it ran there, where the probe's blocks are (the index's
+        # choice: the precise decision is counted below).
         ended_after = time.monotonic() - killed_at
 
         assert result.status == 200 and result.content_events >= 2
