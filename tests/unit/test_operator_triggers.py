@@ -196,15 +196,3 @@ def test_a_child_event_reconciles_only_when_what_a_reconcile_reads_changed() -> 
     assert not seen("MODIFIED", _child("PodDisruptionBudget", "6", {"currentHealthy": 1}))
     assert seen(None, _child("Service", "7", {}))
     assert seen("MODIFIED", _child("Service", "8", {"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}}))
-
-
-def test_the_event_of_an_own_write_is_no_news() -> None:
-    """A child the operator applied (``OperatorConfig.written``) does not reconcile again when its watch
-    event comes; someone else's change to it after that does."""
-    state = RecordingState()
-    applied = _child("ConfigMap", "1", {})
-    state.written(applied)
-    assert not state.changed("ADDED", applied)
-    edited = _child("ConfigMap", "2", {})
-    edited["data"] = {"tenants.json": "{}"}
-    assert state.changed("MODIFIED", edited)

@@ -232,21 +232,16 @@ class OperatorState:
         (a PodDisruptionBudget's counts). While ten thousand tenants start, each of those reconciled
         fifty ModelDeployments again, two hundred tenants each. As for a Tenant, the resync timer restores
         a status that someone else edited."""
-        key = _seen_key(obj)
+        meta = obj.get("metadata") or {}
+        key = (str(obj.get("kind") or ""), str(meta.get("namespace") or ""), str(meta.get("name") or ""))
         if event_type == "DELETED":
             self._seen.pop(key, None)
             return True
-        digest = _digest(obj)
+        digest = hashlib.blake2b(json.dumps(_essence(obj), sort_keys=True).encode(), digest_size=16).digest()
         if self._seen.get(key) == digest:
             return False
         self._seen[key] = digest
         return True
-
-    def written(self, obj: Obj) -> None:
-        """An object the operator wrote, as the API server answered (``OperatorConfig.written``): its watch
-        event, when it comes, is no news (:meth:`changed`). The reconcile that applied a child acted on it;
-        a first reconcile's dozen children queued another reconcile that could only find them in place."""
-        self._seen[_seen_key(obj)] = _digest(obj)
 
     def wrote(self, obj: Obj) -> None:
         """An object the API server answered a write with, for the watch-fed copies."""
@@ -323,15 +318,6 @@ def _essence(obj: Obj) -> Obj:
     status = obj.get("status") or {}
     read = {k: status[k] for k in CHILD_STATUS_READ.get(str(obj.get("kind")), ()) if k in status}
     return {**bare, "metadata": {**bare["metadata"], "annotations": kept}, "status": read}
-
-
-def _seen_key(obj: Obj) -> tuple[str, str, str]:
-    meta = obj.get("metadata") or {}
-    return str(obj.get("kind") or ""), str(meta.get("namespace") or ""), str(meta.get("name") or "")
-
-
-def _digest(obj: Obj) -> bytes:
-    return hashlib.blake2b(json.dumps(_essence(obj), sort_keys=True).encode(), digest_size=16).digest()
 
 
 def _model_deployment_ref(tenant: Obj) -> tuple[str, str]:
@@ -421,7 +407,7 @@ async def configure(*, settings: kopf.OperatorSettings, memo: Any, **_: Any) -> 
         ),
     )
     writer = StatusWriter(client, state.wrote, reads.tenants.get, hold_seconds=STATUS_HOLD_SECONDS)
-    state.config = dataclasses.replace(config, reads=reads, status_writer=writer, written=state.written)
+    state.config = dataclasses.replace(config, reads=reads, status_writer=writer)
     reads.tenants.start()
     reads.key_secrets.start()
     writer.start()

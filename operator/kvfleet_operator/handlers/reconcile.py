@@ -177,9 +177,6 @@ class OperatorConfig:
     #: Who writes the Tenants' statuses (``handlers/status_writer.py``: newest only, a few at once);
     #: ``None``: the reconcile writes them itself before it returns (tests, tools).
     status_writer: StatusWriter | None = None
-    #: Told of every other object the API server answered a write with (a child applied, the
-    #: ModelDeployment's status): the operator's watch handlers take its own write's event as no news.
-    written: Callable[[Obj], None] | None = None
 
     async def list_tenants(self, client: KubeClient, namespace: str | None) -> list[Obj]:
         if self.reads is not None:
@@ -192,18 +189,13 @@ class OperatorConfig:
         return await client.list(kinds.SECRET, namespace, label_selector=LABEL_TENANT)
 
     def wrote(self, obj: Obj) -> None:
-        """An object the API server answered a write with: for the copies (a Tenant or a key Secret), else
-        for :attr:`written`."""
-        if self.reads is not None and obj.get("kind") == kinds.TENANT.kind:
+        """An object the API server answered a write with, for the copies (a Tenant or a key Secret)."""
+        if self.reads is None:
+            return
+        if obj.get("kind") == kinds.TENANT.kind:
             self.reads.tenants.observe(obj)
-        elif (
-            self.reads is not None
-            and obj.get("kind") == kinds.SECRET.kind
-            and LABEL_TENANT in (obj["metadata"].get("labels") or {})
-        ):
+        elif obj.get("kind") == kinds.SECRET.kind and LABEL_TENANT in (obj["metadata"].get("labels") or {}):
             self.reads.key_secrets.observe(obj)
-        elif self.written is not None and obj.get("kind"):
-            self.written(obj)
 
 
 @dataclass
@@ -611,7 +603,7 @@ async def apply(client: KubeClient, c: Cycle) -> None:
     """Server-side apply of what is missing or differs, in dependency order."""
     for action in c.plan:
         if action.verb == "apply" and action.obj is not None:
-            c.config.wrote(await client.apply(action.kind, action.obj))
+            await client.apply(action.kind, action.obj)
             c.result.applied.append(action.describe())
 
 
