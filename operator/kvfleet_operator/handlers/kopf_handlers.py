@@ -1,13 +1,18 @@
 """kopf wiring: every trigger funnels into one coalesced, idempotent reconcile per ModelDeployment.
 
 Triggers:
-* any event of a ModelDeployment, and of any child the operator labelled as its own (watched by kopf with
-  a server-side label selector, so unrelated Secrets never reach the operator);
+* an event of a ModelDeployment, or of a child the operator labelled as its own (watched by kopf with a
+  server-side label selector, so unrelated Secrets never reach the operator), that changes something a
+  reconcile reads: not the operator's own status write, kopf's annotations, nor a child's status beyond
+  a pool's ready replicas and a Service's load balancer (``OperatorState.changed``);
 * any change of a Tenant but one of its status alone (for the ModelDeployment it references, and the one
   it referenced before when the reference changed), and of a Secret labelled as a tenant's key: seen by
   the watch-fed copies every reconcile reads (``k8s/informer.py``), which replace a LIST of the
-  namespace's Tenants and key Secrets per reconcile;
+  namespace's Tenants and key Secrets per reconcile; the operator's own writes of those are no news;
 * a timer per ModelDeployment (``KVFLEET_RESYNC_SECONDS``, default 30 s): the safety net.
+
+Reconciles wait for one of a few slots, a ModelDeployment reconciled before ahead of a first reconcile
+(``PrioritySlots``).
 
 Event handlers store nothing on the objects (no progress annotations): the reconcile is level-triggered
 and needs no memory. The one finalizer is on ModelDeployments, so that deleting one that tenants still
