@@ -1091,6 +1091,45 @@ def render_simulate_routing(f: Files) -> str:
     return f"{head}\n\n{table(header, rows)}\n\n{tail}"
 
 
+# --- autoscaling on the real node ---------------------------------------------------------------------
+
+#: The rows of the real-node autoscaling table: (phase, figure, what it is, target), in the page's order.
+AUTOSCALING_REAL_NODE_ROWS = (
+    ("scale-out", "scale_out.hpa_s", "load step to `spec.pool.replicas` 2 (KEDA's HPA)", ""),
+    ("scale-out", "scale_out.pod_ready_s", "load step to the second engine pod Ready", ""),
+    ("scale-out", "scale_out.table_s", "load step to the tenant table listing it", ""),
+    ("scale-out", "scale_out.gateway_healthy_s", "load step to the gateway checking it healthy", ""),
+    ("scale-out", "scale_out.serving_s", "load step to the first request it answered", ""),
+    ("scale-out", "scale_out.queue_peak", "premium requests held at the gateway, most", ""),
+    ("scale-out", "scale_out.latency_p99_s", "p99 of the step's requests, queue included", ""),
+    ("scale-out", "requests.scale_out", "requests sent during the step", ""),
+    ("scale-out", "failed.scale_out", "requests failed", "0"),
+    ("scale-in", "scale_in.hpa_s", "load down to `spec.pool.replicas` 1", ""),
+    ("scale-in", "scale_in.table_s", "load down to the table dropping the leaving replica", ""),
+    ("scale-in", "scale_in.gateway_reloaded_s", "load down to the gateway reloading that table", ""),
+    ("scale-in", "scale_in.last_answer_on_leaving_s", "load down to the leaving replica's last answer", ""),
+    ("scale-in", "scale_in.pod_gone_s", "load down to its pod gone", ""),
+    ("scale-in", "requests.scale_in", "requests sent until then", ""),
+    ("scale-in", "failed.scale_in", "requests failed", "0"),
+    ("both", "table_refresh_s", "tenant table written to the gateway pod reloading it", "< drain grace"),
+    ("steady", "failed.steady", "requests failed at the steady load", "0"),
+    ("whole run", "failed.total", "requests failed, of every request sent", "0"),
+    ("whole run", "requests.total", "requests sent", ""),
+)
+
+
+def render_autoscaling_real_node(f: Files) -> str:
+    r = f["autoscaling_real_node"]
+    rows = []
+    for phase, key, what, target in AUTOSCALING_REAL_NODE_ROWS:
+        if key not in r.figures:
+            continue
+        fig = r.figure(key)
+        rows.append([phase, what, spread(fig, short), fig.unit, str(fig.runs), target])
+    header = ["phase", "measured", "median [min\u2013max]", "unit", "runs", "target"]
+    return f"`{r.command}`:\n\n" + table(header, rows)
+
+
 # --- the page -------------------------------------------------------------------------------------------
 
 
@@ -1158,6 +1197,7 @@ BLOCKS: dict[str, Block] = {
     "routing_vllm": Block(("routing_vllm",), render_routing_vllm),
     "simulate_routing_check": Block(("simulate_routing",), render_simulate_routing_check),
     "simulate_routing": Block(("simulate_routing",), render_simulate_routing),
+    "autoscaling_real_node": Block(("autoscaling_real_node",), render_autoscaling_real_node),
 }
 
 
