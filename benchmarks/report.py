@@ -1130,6 +1130,119 @@ def render_autoscaling_real_node(f: Files) -> str:
     return f"`{r.command}`:\n\n" + table(header, rows)
 
 
+# --- autoscaling on kwok GPU nodes ---------------------------------------------------------------------
+
+#: The rows of the autoscaling table: (phase, figure, what it is, target), in the page's order.
+AUTOSCALING_ROWS = (
+    ("premium burst", "premium_burst.to_hpa_s", "queue step to the HPA wanting 4", ""),
+    ("premium burst", "premium_burst.to_spec_s", "to `spec.pool.replicas` 4", ""),
+    ("premium burst", "premium_burst.to_statefulset_s", "to the engine StatefulSet at 4", ""),
+    ("premium burst", "premium_burst.to_ready_s", "to 4 engine pods Ready", ""),
+    (
+        "premium burst",
+        "premium_burst.base_tenant_not_ready_s",
+        "admitted tenant not `Ready` meanwhile",
+        "0 s",
+    ),
+    ("premium burst", "premium_burst.scale_in_spec_s", "queue empty to `spec.pool.replicas` 1", ""),
+    ("premium burst", "premium_burst.scale_in_statefulset_s", "queue empty to the StatefulSet at 1", ""),
+    ("best-effort burst", "best_effort_burst.max_hpa_desired", "most replicas the HPA wanted", "\u2264 2"),
+    ("best-effort burst", "best_effort_burst.max_spec_replicas", "most `spec.pool.replicas`", "\u2264 2"),
+    (
+        "best-effort burst",
+        "best_effort_burst.max_statefulset_replicas",
+        "most StatefulSet replicas",
+        "\u2264 2",
+    ),
+    ("best-effort burst", "best_effort_burst.max_ready_pods", "most engine pods Ready", "\u2264 2"),
+    ("best-effort burst", "best_effort_burst.to_cap_s", "queue step to 2 engine pods Ready", ""),
+    ("best-effort burst", "best_effort_burst.basic_signal", "basic queue as KEDA reads it (clamped)", "8"),
+    ("best-effort burst", "best_effort_burst.window_s", "sampled for", ""),
+    ("floor", "floor.min_hpa_desired", "fewest replicas the HPA wanted", "\u2265 2"),
+    ("floor", "floor.min_spec_replicas", "fewest `spec.pool.replicas`", "\u2265 2"),
+    ("floor", "floor.min_statefulset_replicas", "fewest StatefulSet replicas", "\u2265 2"),
+    ("floor", "floor.min_ready_pods", "fewest engine pods Ready", "\u2265 2"),
+    ("floor", "floor.to_floor_spec_s", "queue empty to `spec.pool.replicas` at the floor", ""),
+    ("floor", "floor.to_floor_statefulset_s", "queue empty to the StatefulSet at the floor", ""),
+    ("floor", "floor.window_s", "watched after the queue emptied", ""),
+    ("floor, HPA default", "floor_default.min_hpa_desired", "fewest replicas the HPA wanted", "\u2265 2"),
+    ("floor, HPA default", "floor_default.min_spec_replicas", "fewest `spec.pool.replicas`", "\u2265 2"),
+    (
+        "floor, HPA default",
+        "floor_default.min_statefulset_replicas",
+        "fewest StatefulSet replicas",
+        "\u2265 2",
+    ),
+    ("floor, HPA default", "floor_default.min_ready_pods", "fewest engine pods Ready", "\u2265 2"),
+    (
+        "floor, HPA default",
+        "floor_default.to_floor_spec_s",
+        "queue empty to `spec.pool.replicas` at the floor",
+        "",
+    ),
+    ("floor, HPA default", "floor_default.window_s", "watched after the queue emptied", ""),
+    ("capacity arrives", "pending.node_ready_s", "node created to node Ready (kwok)", ""),
+    ("capacity arrives", "pending.pod_ready_s", "node created to its engine pod Ready", ""),
+    ("capacity arrives", "pending.in_table_s.wait-premium", "node to premium tenant in the tenant table", ""),
+    (
+        "capacity arrives",
+        "pending.in_table_s.wait-standard-a",
+        "node to older standard tenant in the table",
+        "",
+    ),
+    (
+        "capacity arrives",
+        "pending.in_table_s.wait-standard-b",
+        "node to newer standard tenant in the table",
+        "",
+    ),
+    ("capacity arrives", "pending.admitted_s.wait-premium", "node to premium tenant's `admittedQuota`", ""),
+    (
+        "capacity arrives",
+        "pending.admitted_s.wait-standard-a",
+        "node to older standard's `admittedQuota`",
+        "",
+    ),
+    (
+        "capacity arrives",
+        "pending.admitted_s.wait-standard-b",
+        "node to newer standard's `admittedQuota`",
+        "",
+    ),
+    (
+        "capacity arrives",
+        "pending.ready_after_last_node_s.wait-premium",
+        "last node to premium tenant `Ready`",
+        "",
+    ),
+    (
+        "capacity arrives",
+        "pending.ready_after_last_node_s.wait-standard-b",
+        "last node to newer standard tenant `Ready`",
+        "",
+    ),
+    ("capacity arrives", "pending.base_tenant_not_ready_s", "admitted tenant not `Ready` meanwhile", "0 s"),
+    (
+        "capacity arrives",
+        "pending.rounds_in_expected_order",
+        "rounds admitting premium, then standard oldest first",
+        "all",
+    ),
+)
+
+
+def render_autoscaling_kwok(f: Files) -> str:
+    r = f["autoscaling_kwok"]
+    rows = []
+    for phase, key, what, target in AUTOSCALING_ROWS:
+        if key not in r.figures:
+            continue
+        fig = r.figure(key)
+        rows.append([phase, what, with_note(spread(fig, short), fig), fig.unit, str(fig.runs), target])
+    header = ["phase", "measured", "median [min\u2013max]", "unit", "runs", "target"]
+    return f"`{r.command}`:\n\n" + table(header, rows)
+
+
 # --- the page -------------------------------------------------------------------------------------------
 
 
@@ -1197,6 +1310,7 @@ BLOCKS: dict[str, Block] = {
     "routing_vllm": Block(("routing_vllm",), render_routing_vllm),
     "simulate_routing_check": Block(("simulate_routing",), render_simulate_routing_check),
     "simulate_routing": Block(("simulate_routing",), render_simulate_routing),
+    "autoscaling_kwok": Block(("autoscaling_kwok",), render_autoscaling_kwok),
     "autoscaling_real_node": Block(("autoscaling_real_node",), render_autoscaling_real_node),
 }
 
