@@ -204,7 +204,7 @@ def test_a_new_guaranteed_tenant_waits_for_ready_replicas_and_its_seats_raise_th
     assert not saas.admitted and saas.reason == reasons.WAITING_FOR_CAPACITY
     assert saas.quota is None and saas.terms is None
     assert "its 64 concurrent requests" in saas.message and "need 3 ready replicas at 24" in saas.message
-    assert "1 are ready" in saas.message
+    assert "ready now: 1." in saas.message
     # Best effort promises no seats: admitted as before.
     assert decided["startup-a"].admitted
     floor = compute_guarantee_floor(md, tenants, list(decided.values()))
@@ -311,3 +311,40 @@ def test_the_seats_that_count_are_on_ready_replicas_that_stay() -> None:
     assert serving_ready_replicas(sts) == 1  # two are leaving: they take no new requests
     sts["status"]["readyReplicas"] = 0
     assert serving_ready_replicas(sts) == 0
+
+
+def test_a_scale_out_under_way_does_not_make_admitted_tenants_read_not_ready() -> None:
+    """The kwok benchmark's finding: with tenants waiting for capacity (or load) raising the replicas, the
+    admitted ones read ModelDeploymentNotReady until the new replicas started. Now they are served once the
+    replicas their own seats need are ready."""
+    doc = _scaling().model_dump(by_alias=True, mode="json", exclude_none=True)
+    doc["spec"]["pool"]["replicas"] = 3  # the HPA followed the floor the waiting tenant raised
+    md = ModelDeployment.model_validate(doc)
+    gold = _admitted_before(_tenant(SAAS, "gold", tier="premium", rateLimits={"maxConcurrent": 24}))
+    waiting = _tenant(SAAS, "late", created="2026-11-05T00:00:00Z", rateLimits={"maxConcurrent": 48})
+    tenants = [gold, waiting]
+    decisions = admit_seats(md, tenants, _admit(md, tenants), 1)
+    assert [d.admitted for d in decisions] == [True, False]
+    capacity = compute_pool_capacity(md)
+
+    def statuses(ready: int) -> dict[str, dict[str, Any]]:
+        children = [
+            {"kind": "StatefulSet", "metadata": {"name": "qwen72b-engine"}, "spec": {"replicas": 3},
+             "status": {"readyReplicas": ready}},
+            {"kind": "Deployment", "metadata": {"name": "qwen72b-gateway"}, "spec": {"replicas": 2},
+             "status": {"readyReplicas": 2}},
+        ]  # fmt: skip
+        raw = {t.metadata["name"]: t.model_dump(by_alias=True, mode="json") for t in tenants}
+        writes = st.compute_served_statuses(
+            md.model_dump(by_alias=True, mode="json"), md, capacity, decisions, None, "http://x/v1",
+            children, raw, tenants, {}, NOW,
+        )  # fmt: skip
+        return {str(w.raw["metadata"]["name"]): w.status for w in writes if w.kind.kind == "Tenant"}
+
+    def ready(status: dict[str, Any]) -> dict[str, Any]:
+        return next(c for c in status["conditions"] if c["type"] == "Ready")
+
+    one = statuses(ready=1)  # the pool runs 3 for the waiting tenant; one is ready: gold's 24 seats
+    assert ready(one["gold"])["status"] == "True", ready(one["gold"])
+    assert ready(one["late"])["reason"] == reasons.WAITING_FOR_CAPACITY
+    assert ready(statuses(ready=0)["gold"])["status"] == "False"

@@ -420,10 +420,14 @@ def compute_tenant_pool_ready(
     decision: TenantDecision | None,
     children: Sequence[Obj],
     dedicated_replicas: int | None = None,
+    seated_replicas: int | None = None,
 ) -> bool:
     """Whether the pool that serves ``tenant`` is ready: the gateway, and the shared engines or the
     tenant's dedicated engines, from the live children's status. ``dedicated_replicas``: what its dedicated
-    pool runs, where that is not spec.dedicated.replicas (autoscaling clamps it to its GPU group)."""
+    pool runs, where that is not spec.dedicated.replicas (autoscaling clamps it to its GPU group).
+    ``seated_replicas``: on an autoscaled shared pool, the ready replicas that serve its admitted tenants
+    (those their promised seats need, at least one): a scale-out under way, for load or for tenants waiting
+    for capacity, does not make the admitted ones read not ready while the new replicas start."""
     name = str(md.metadata["name"])
     gateway = front_door_readiness(md, children)
     if decision is not None and decision.pool != SHARED_POOL:
@@ -431,9 +435,8 @@ def compute_tenant_pool_ready(
         wanted = wanted if dedicated_replicas is None else dedicated_replicas
         engines = readiness_of(live_child(children, "StatefulSet", engine_name(name, decision.pool)), wanted)
     else:
-        engines = readiness_of(
-            live_child(children, "StatefulSet", engine_name(name, SHARED_POOL)), md.spec.pool.replicas
-        )
+        wanted = md.spec.pool.replicas if seated_replicas is None else seated_replicas
+        engines = readiness_of(live_child(children, "StatefulSet", engine_name(name, SHARED_POOL)), wanted)
         tier = shared_tier_readiness(md, children)
         if tier is not None and not tier.is_ready:
             return False
@@ -512,6 +515,10 @@ def compute_served_statuses(
     ]
     parsed = {str(t.metadata["name"]): t for t in tenants}
     by_decision = {d.name: d for d in decisions}
+    # Autoscaled: the admitted tenants are served once the replicas their seats need are ready.
+    seated = None
+    if md.spec.pool.autoscaling.enabled:
+        seated = min(max(1, -(-floor.seats // floor.per_replica)), shared_replicas(md, floor))
     for tname, raw in raw_tenants.items():
         tenant = parsed.get(tname)
         if tenant is None:
@@ -524,12 +531,15 @@ def compute_served_statuses(
         decision = by_decision.get(tname)
         cause = model_deployment_problem_for_tenant(md_problem) if md_problem is not None else None
         pool = _dedicated_pool_scale(md, tenant, decision, dedicated_replicas or {})
+        pool_ready = compute_tenant_pool_ready(
+            md, tenant, decision, children, None if pool is None else pool[0], seated
+        )
         status = compute_tenant_status(
             tenant,
             decision,
             capacity,
             cause,
-            compute_tenant_pool_ready(md, tenant, decision, children, None if pool is None else pool[0]),
+            pool_ready,
             endpoint,
             api_key_secret_ref(tenant)[0],
             now,
