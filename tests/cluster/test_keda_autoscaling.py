@@ -123,6 +123,9 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         prom = prometheus(scrape_config(ns, metrics_port))
         md_path = f"{API}/namespaces/{ns}/modeldeployments/{MD}"
         doc = load_example("modeldeployment-qwen72b.yaml", ns)
+        # No NVMe tier: its claims (StorageClass local-nvme) have no provisioner here, and kwok can only
+        # run engine pods whose volumes bind (the floor's replicas below must turn ready).
+        doc["spec"]["kvCache"].pop("nvme", None)
         doc["spec"]["pool"]["replicas"] = 1
         doc["spec"]["pool"]["autoscaling"] = autoscaling(prom.url)
         doc["spec"].setdefault("gateway", {})["engineInFlightPerReplica"] = SEATS_PER_REPLICA
@@ -233,7 +236,9 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
         # at SEATS_PER_REPLICA per replica, needs 3 replicas; two cannot seat it, so it waits
         # (WaitingForCapacity) and its seats raise the floor. The reconcile runs 3 at once and makes 3 the
         # ScaledObject's minimum; KEDA carries it to the HPA, which writes it to spec.pool.replicas.
-        create(full_cluster, load_example("tenant-saas.yaml", ns))
+        saas = load_example("tenant-saas.yaml", ns)
+        saas["spec"]["kvQuota"]["nvme"] = "0"  # the pool has no NVMe tier here (above)
+        create(full_cluster, saas)
         result, _ = reconcile(full_cluster, ns, MD, KEDA_RIGHTS)
         assert not result.problem, result.problem
         sts_path = f"/apis/apps/v1/namespaces/{ns}/statefulsets/{MD}-engine"
