@@ -188,7 +188,8 @@ def admit_seats(
                 decisions,
                 reasons.WAITING_FOR_CAPACITY,
                 f"{figures} need {need} ready replicas at {per_replica} per replica; ready now: "
-                f"{ready_replicas}. The pool scales out to {need}; the tenant is admitted when they are ready.",
+                f"{ready_replicas}. The pool scales out to {need}; the tenant is admitted when they are "
+                "ready.",
             )
     return [changed.get(d.name, d) for d in decisions]
 
