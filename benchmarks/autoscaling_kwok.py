@@ -57,8 +57,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,6 @@ from devcluster import (
 )
 from devcluster.keda import Keda, start_keda
 from operators import OperatorReplica
-from prometheus_client import start_http_server
 from results_format import (
     Figure,
     Machine,
@@ -88,7 +86,7 @@ from results_format import (
     write_results,
 )
 
-from factories import free_port
+from gateway_support import serving_gateway_metrics
 from kvfleet_operator.api.modeldeployment import PoolAutoscaling
 from kvfleet_operator.build.autoscaling import build_triggers, scaled_object_name
 from kvfleet_runtime.config import TenantTable
@@ -717,19 +715,6 @@ def phase_pending(scene: Scene, round_index: int) -> dict[str, Any]:
 # --- the run ---------------------------------------------------------------------------------------------
 
 
-@contextmanager
-def gateway_metrics() -> Iterator[tuple[GatewayMetrics, int]]:
-    metrics = GatewayMetrics()
-    port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
-    try:
-        yield metrics, port
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
 def served(plane: ControlPlane, namespace: str) -> bool:
     return all(
         plane.request("GET", f"{API}/namespaces/{namespace}/{p}")[0] == 200
@@ -912,7 +897,7 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while not served(plane, namespace) and time.monotonic() < deadline:
             time.sleep(0.2)
-        with gateway_metrics() as (metrics, port):
+        with serving_gateway_metrics() as (metrics, port):
             prometheus = start_prometheus(scrape_config(namespace, port))
             scene = Scene(plane, namespace, metrics)
             scene.quiet()

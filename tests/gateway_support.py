@@ -22,13 +22,14 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from factories import free_port
@@ -46,6 +47,7 @@ from kvfleet_runtime.config import (
     hash_api_key,
 )
 from kvfleet_runtime.gateway.envoy import running_envoy_gateway
+from kvfleet_runtime.gateway.metrics import GatewayMetrics
 from kvfleet_runtime.gateway.pipeline import Pipeline
 from kvfleet_runtime.gateway.server import Gateway, running_gateway
 from kvfleet_runtime.gateway.settings import GatewaySettings
@@ -428,3 +430,18 @@ async def running_front_door(settings: GatewaySettings, kind: str, workdir: Path
     else:
         async with running_gateway(settings) as (url, gateway):
             yield FrontDoor(url, gateway.pipeline, gateway.metrics_url, gateway)
+
+
+@contextlib.contextmanager
+def serving_gateway_metrics() -> Iterator[tuple[GatewayMetrics, int]]:
+    """A gateway's metrics registry served on a free loopback port (what a Prometheus scrapes when the
+    queue series are set by hand, as the autoscaling tests and benchmarks do): the registry and the port."""
+    metrics = GatewayMetrics()
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        yield metrics, port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

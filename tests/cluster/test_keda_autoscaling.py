@@ -22,10 +22,9 @@ from cluster_helpers import apply_crds, scratch_namespace, wait_for
 from devcluster import ControlPlane, PrometheusServer
 from devcluster.keda import Keda
 from devcluster.realpods import kubectl
-from prometheus_client import start_http_server
 from test_operator_reconcile import CONFIG, create, get, load_example, reconcile
 
-from factories import free_port
+from gateway_support import serving_gateway_metrics
 from kvfleet_operator.api.modeldeployment import ModelDeployment
 from kvfleet_operator.build.autoscaling import build_scaled_object
 from kvfleet_operator.build.common import owner_of
@@ -53,15 +52,8 @@ KEDA_RIGHTS = dataclasses.replace(CONFIG, exposure=(kinds.SCALED_OBJECT,))
 @pytest.fixture
 def gateway_metrics() -> Iterator[tuple[GatewayMetrics, int]]:
     """The gateway's metrics registry served on a free loopback port (what Prometheus scrapes)."""
-    metrics = GatewayMetrics()
-    port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
-    try:
-        yield metrics, port
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with serving_gateway_metrics() as served:
+        yield served
 
 
 def scrape_config(namespace: str, port: int) -> dict[str, Any]:
@@ -112,14 +104,6 @@ def test_a_premium_queue_step_scales_a_model_deployment_from_one_to_two_replicas
     queue.set(0)
     apply_crds(full_cluster)
     with scratch_namespace(full_cluster, "keda") as ns:
-        # A CRD just (re)applied answers 429 "storage is (re)initializing" for a moment after Established.
-        for plural in ("tenants", "modeldeployments"):
-            wait_for(
-                lambda plural=plural: (
-                    full_cluster.request("GET", f"{API}/namespaces/{ns}/{plural}")[0] == 200
-                ),
-                what=f"{plural} served",
-            )
         prom = prometheus(scrape_config(ns, metrics_port))
         md_path = f"{API}/namespaces/{ns}/modeldeployments/{MD}"
         doc = load_example("modeldeployment-qwen72b.yaml", ns)

@@ -71,13 +71,6 @@ def test_a_queue_step_scales_a_dedicated_pool_through_keda_within_its_gpu_groups
     assert 1 < holds < MAX_REPLICAS, group_nodes
     apply_crds(full_cluster)
     with scratch_namespace(full_cluster, "keda-dedicated") as ns:
-        for plural in ("tenants", "modeldeployments"):
-            wait_for(
-                lambda plural=plural: (
-                    full_cluster.request("GET", f"{API}/namespaces/{ns}/{plural}")[0] == 200
-                ),
-                what=f"{plural} served",
-            )
         prom = prometheus(scrape_config(ns, metrics_port))
         md_path = f"{API}/namespaces/{ns}/modeldeployments/{MD}"
         tn_path = f"{API}/namespaces/{ns}/tenants/{TENANT}"
