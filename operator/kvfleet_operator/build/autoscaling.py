@@ -158,6 +158,7 @@ def admit_seats(
     shared = [by_name[name] for name in admitted]
     promised = sum(tenant_seats(t) for t in shared if admitted_terms(t) is not None)
     claims = sorted((t for t in shared if admitted_terms(t) is None and tenant_seats(t)), key=_seat_order)
+    decided = {d.name: d for d in decisions}
     changed: dict[str, TenantDecision] = {}
     ahead = 0  # seats of the tenants that wait ahead in the order
     for tenant in claims:
@@ -169,9 +170,7 @@ def admit_seats(
         )
         if promised + ahead + seats > most_seats:
             changed[name] = _not_admitted(
-                by_name,
-                name,
-                decisions,
+                decided[name],
                 reasons.CONCURRENCY_EXCEEDS_CAPACITY,
                 f"{figures} need {-(-(promised + ahead + seats) // per_replica)} replicas at {per_replica} "
                 f"per replica; spec.pool.autoscaling.maxReplicas is {autoscaling.max_replicas}. Raise it, or "
@@ -183,9 +182,7 @@ def admit_seats(
             ahead += seats
             need = -(-(promised + ahead) // per_replica)
             changed[name] = _not_admitted(
-                by_name,
-                name,
-                decisions,
+                decided[name],
                 reasons.WAITING_FOR_CAPACITY,
                 f"{figures} need {need} ready replicas at {per_replica} per replica; ready now: "
                 f"{ready_replicas}. The pool scales out to {need}; the tenant is admitted when they are "
@@ -194,10 +191,7 @@ def admit_seats(
     return [changed.get(d.name, d) for d in decisions]
 
 
-def _not_admitted(
-    by_name: dict[str, Tenant], name: str, decisions: Sequence[TenantDecision], reason: str, message: str
-) -> TenantDecision:
-    decision = next(d for d in decisions if d.name == name)
+def _not_admitted(decision: TenantDecision, reason: str, message: str) -> TenantDecision:
     return dataclasses.replace(
         decision, admitted=False, reason=reason, message=message, quota=None, terms=None, refused=None
     )
